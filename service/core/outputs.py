@@ -1,0 +1,54 @@
+"""What the engine streams back to a caller, free of any wire format."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the engine failed this request
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds. queue: submit -> first scheduled; ttft: submit -> first token; decode: first -> last token."""
+
+    queue: float
+    ttft: float
+    decode: float
+    total: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One streamed chunk: new token ids and the text they completed. The last chunk has finish_reason."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,29 @@
+"""Domain errors raised by the engine and mapped to gRPC status codes in one table (service/server)."""
+
+
+class ServiceError(Exception):
+    """Base of every error the server translates into a status code."""
+
+
+class InvalidArgument(ServiceError):
+    """A request field is out of range. The message names the field and the allowed range."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QueueFull(ServiceError):
+    """The waiting queue is at its limit; the client should retry later."""
+
+
+class Unavailable(ServiceError):
+    """The engine is loading, draining or stopped."""
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline passed before it finished."""
+
+
+class EngineFailure(ServiceError):
+    """An unexpected error while stepping the model failed this request; the engine keeps serving."""

@@ -1,0 +1,172 @@
+"""Owns OpenVINO: loads the IR as a paged-attention model, holds the KV cache, runs one step.
+
+Nothing else in the project imports openvino at serving time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from openvino._offline_transformations import paged_attention_transformation
+
+log = logging.getLogger(__name__)
+
+SAMPLED_ROWS = "sampled_rows"
+REQUIRED_INPUTS = (
+    "input_ids",
+    "position_ids",
+    "max_context_len",
+    "past_lens",
+    "subsequence_begins",
+    "block_indices_begins",
+    "block_indices",
+)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    kv_cache_bytes: int = 1 << 30
+    num_threads: int | None = None  # None: the CPUs this process may use
+    kv_cache_precision: str = "u8"
+    dynamic_quantization_group_size: int | None = None
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's share of a step: tokens at positions past_len.. with its block table."""
+
+    token_ids: Sequence[int]
+    past_len: int
+    block_ids: Sequence[int]
+    sample: bool  # whether its last token's logits are wanted
+
+
+def available_cpus() -> int:
+    """CPUs this process may actually use: the affinity mask, capped by a cgroup CPU quota."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, config: RunnerConfig) -> None:
+        self.num_threads = config.num_threads or available_cpus()
+        core = ov.Core()
+        model = core.read_model(model_dir / "openvino_model.xml")
+        paged_attention_transformation(model, False, False)
+        _gather_before_lm_head(model)
+        _check_inputs(model)
+        properties: dict[str, object] = {
+            "INFERENCE_NUM_THREADS": self.num_threads,
+            "ENABLE_CPU_PINNING": True,
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+            "KV_CACHE_PRECISION": config.kv_cache_precision,
+        }
+        if config.dynamic_quantization_group_size is not None:
+            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = config.dynamic_quantization_group_size
+        self.compiled = core.compile_model(model, "CPU", properties)
+        self.request = self.compiled.create_infer_request()
+        self.block_size, bytes_per_block = self._cache_layout()
+        self.num_blocks = config.kv_cache_bytes // bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv cache budget of {config.kv_cache_bytes} bytes holds no block "
+                f"({bytes_per_block} bytes per {self.block_size}-token block)"
+            )
+        self.kv_cache_bytes = self.num_blocks * bytes_per_block
+        self._allocate_cache()
+        log.info(
+            "compiled %s: %d threads, %d KV blocks of %d tokens (%.2f GiB)",
+            model_dir,
+            self.num_threads,
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache_bytes / 2**30,
+        )
+
+    def _cache_inputs(self) -> list[ov.Output]:
+        return [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
+
+    def _cache_layout(self) -> tuple[int, int]:
+        block_size = 0
+        bytes_per_block = 0
+        for port in self._cache_inputs():
+            dims = [d.get_length() for d in list(port.get_partial_shape())[1:]]
+            bytes_per_block += math.prod(dims) * port.get_element_type().size
+            if port.get_any_name().startswith("value_cache."):
+                block_size = dims[1]  # [blocks, kv_heads, block_size, head_size (+ scales)]
+        return block_size, bytes_per_block
+
+    def _allocate_cache(self) -> None:
+        for port in self._cache_inputs():
+            dims = [self.num_blocks] + [d.get_length() for d in list(port.get_partial_shape())[1:]]
+            self.request.set_tensor(port.get_any_name(), ov.Tensor(port.get_element_type(), ov.Shape(dims)))
+
+    def execute(self, seqs: Sequence[StepInput]) -> np.ndarray:
+        """Run one step; returns the logits of the sampled sequences, in order, [num_sampled, vocab]."""
+        input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64)
+        positions = np.concatenate([np.arange(s.past_len, s.past_len + len(s.token_ids)) for s in seqs])
+        lengths = np.array([len(s.token_ids) for s in seqs], dtype=np.int32)
+        begins = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=begins[1:])
+        block_begins = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum([len(s.block_ids) for s in seqs], out=block_begins[1:])
+        block_ids = np.fromiter((b for s in seqs for b in s.block_ids), dtype=np.int32)
+        past_lens = np.array([s.past_len for s in seqs], dtype=np.int32)
+        sampled = np.array([begins[i + 1] - 1 for i, s in enumerate(seqs) if s.sample], dtype=np.int64)
+        if sampled.size == 0:  # a step of prompt chunks only: compute one row and drop it
+            sampled = np.array([0], dtype=np.int64)
+        inputs = {
+            "input_ids": input_ids,
+            "position_ids": positions.astype(np.int64),
+            "max_context_len": np.array(int((past_lens + lengths).max()), dtype=np.int32),
+            "past_lens": past_lens,
+            "subsequence_begins": begins,
+            "block_indices_begins": block_begins,
+            "block_indices": block_ids,
+            SAMPLED_ROWS: sampled,
+        }
+        self.request.infer(inputs, share_inputs=True)
+        logits = self.request.get_output_tensor(0).data
+        num_sampled = sum(1 for s in seqs if s.sample)
+        return logits[:num_sampled, -1, :]
+
+
+def _gather_before_lm_head(model: ov.Model) -> None:
+    """Make the final MatMul see only the rows that will be sampled, not every prompt token."""
+    node = model.get_results()[0].input_value(0).get_node()
+    while node.get_type_name() != "MatMul":
+        if node.get_input_size() == 0:
+            raise ValueError("no MatMul found before the logits output")
+        node = node.input_value(0).get_node()
+    rows = ops.parameter([-1], ov.Type.i64, name=SAMPLED_ROWS)
+    rows.output(0).set_names({SAMPLED_ROWS})
+    hidden = node.input_value(0)
+    gathered = ops.gather(hidden, rows, ops.constant(0, ov.Type.i64))
+    node.input(0).replace_source_output(gathered.output(0))
+    model.add_parameters([rows])
+    model.validate_nodes_and_infer_types()
+
+
+def _check_inputs(model: ov.Model) -> None:
+    names = {n for i in model.inputs for n in i.get_names()}
+    missing = [n for n in REQUIRED_INPUTS if n not in names]
+    if missing or not any(n.startswith("key_cache.") for n in names):
+        raise ValueError(
+            f"the model is not a paged-attention LLM after transformation: missing inputs "
+            f"{missing or ['key_cache.*']}; convert it with `python -m convert`"
+        )

@@ -1,0 +1,76 @@
+"""The model's tokenizer and chat template, from the files convert/ writes. No torch, no transformers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from service.errors import InvalidArgument
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path, eos_token_ids: Sequence[int]) -> None:
+        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        template_file = model_dir / "chat_template.jinja"
+        template = template_file.read_text() if template_file.exists() else config.get("chat_template")
+        self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        self._template = _compile_template(template) if template else None
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Chat templates usually write the BOS token themselves; raw prompts get what the tokenizer adds.
+        self._template_has_bos = bool(template and "bos_token" in template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
+        """Render chat messages into the prompt text, ending with the assistant's turn opener."""
+        if not messages:
+            raise InvalidArgument("messages", "must contain at least one message")
+        for i, m in enumerate(messages):
+            if m.get("role") not in ROLES:
+                raise InvalidArgument(
+                    f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}"
+                )
+        if self._template is None:
+            raise InvalidArgument("messages", "this model has no chat template; send a raw prompt instead")
+        return self._template.render(messages=list(messages), add_generation_prompt=True, **self._special)
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        # The template already placed any BOS token, so the tokenizer must not add another.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=not self._template_has_bos)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str) -> None:
+        raise InvalidArgument("messages", message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    return env.from_string(source)
+
+
+def _token_text(value: object) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
