@@ -1,0 +1,164 @@
+"""Scheduler: continuous batching, chunked prefill, preemption and abort, without any model."""
+
+import random
+import time
+
+from service.core.kv_cache import KVCacheManager
+from service.core.params import SamplingParams
+from service.core.request import Request, Status
+from service.core.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+def make(num_blocks=64, max_num_seqs=4, budget=16, max_model_len=256, prefix=True):
+    kv = KVCacheManager(num_blocks, BS, prefix)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv)
+
+
+def request(rid: str, n: int, start: int = 0, **kw) -> Request:
+    return Request(rid, list(range(start, start + n)), SamplingParams(**kw))
+
+
+def step(s: Scheduler, sampled_token: int = 7):
+    """Plan a step, 'run' it, and append a token to each request that reached its end."""
+    plan = s.schedule()
+    s.complete(plan)
+    for c in plan.chunks:
+        if c.sample:
+            c.request.append_token(sampled_token)
+    return plan
+
+
+def test_chunked_prefill_splits_long_prompt_and_completes():
+    s = make(budget=16)
+    r = request("a", 40)
+    s.add(r)
+    sizes = [step(s).chunks[0].num_tokens for _ in range(3)]
+    assert sizes == [16, 16, 8]
+    assert r.num_output_tokens == 1
+    assert step(s).chunks[0].num_tokens == 1  # decode
+
+
+def test_prefill_chunks_mix_with_decode_tokens():
+    s = make(budget=16)
+    a = request("a", 5)
+    s.add(a)
+    step(s)
+    s.add(request("b", 40, start=100))
+    plan = step(s)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 15)]
+
+
+def test_budget_and_max_num_seqs_never_exceeded():
+    rng = random.Random(0)
+    s = make(num_blocks=40, max_num_seqs=3, budget=12)
+    for i in range(12):
+        s.add(request(f"r{i}", rng.randint(1, 30), start=i * 1000, max_new_tokens=5))
+    for _ in range(200):
+        plan = step(s)
+        assert plan.num_tokens <= 12
+        assert len(s.running) <= 3
+        for r in list(s.running):
+            if r.num_output_tokens >= 5:
+                s.finish(r)
+        if not s.has_work():
+            break
+    assert not s.has_work()
+    assert s.kv.pool.num_free == 40
+
+
+def test_running_first_then_waiting_fcfs():
+    s = make(max_num_seqs=2, budget=64)
+    for rid in "abc":
+        s.add(request(rid, 4, start=ord(rid) * 100))
+    plan = step(s)
+    assert [c.request.request_id for c in plan.chunks] == ["a", "b"]
+    s.finish(s.running[0])
+    plan = step(s)
+    assert [c.request.request_id for c in plan.chunks] == ["b", "c"]
+
+
+def test_preemption_by_recompute_and_resume():
+    s = make(num_blocks=4, budget=64, max_num_seqs=4)  # 16 token slots
+    a, b = request("a", 7), request("b", 7, start=100)
+    s.add(a)
+    s.add(b)
+    step(s)  # both prefilled: 2 blocks each, all blocks used
+    for _ in range(1):
+        step(s)  # 8 tokens each: still fits
+    plan = step(s)  # a needs a third block: b (newest) is preempted
+    assert [r.request_id for r in plan.preempted] == ["b"]
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0
+    assert s.waiting[0] is b
+    assert s.num_preemptions == 1
+    s.finish(a)
+    plan = s.schedule()  # b resumes: prompt + generated tokens recomputed, its first block from the cache
+    chunk = plan.chunks[0]
+    assert chunk.request is b and chunk.sample
+    assert (chunk.start, chunk.num_tokens) == (4, b.num_tokens - 4)
+    assert b.num_output_tokens == 2
+
+
+def test_no_admission_in_a_step_that_preempted():
+    s = make(num_blocks=4, budget=64)
+    a, b = request("a", 8), request("b", 7, start=100)
+    s.add(a)
+    s.add(b)
+    step(s)
+    s.add(request("c", 1, start=500))
+    plan = step(s)  # a needs a third block: b is preempted, and c must wait
+    assert plan.preempted
+    assert "c" not in [c.request.request_id for c in plan.chunks]
+
+
+def test_request_that_fits_max_model_len_always_completes():
+    s = make(num_blocks=8, budget=8, max_num_seqs=4)  # 32 token slots
+    reqs = [request(f"r{i}", 20, start=i * 100) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(500):
+        step(s)
+        for r in list(s.running):
+            if r.num_tokens >= 30:
+                s.finish(r)
+        if not s.has_work():
+            break
+    assert all(r.status is Status.FINISHED and r.num_tokens == 30 for r in reqs)
+    assert s.num_preemptions > 0
+    assert s.kv.pool.num_free == 8
+
+
+def test_abort_frees_everything():
+    s = make(num_blocks=16)
+    running, waiting = request("a", 10), request("b", 10, start=50)
+    s.add(running)
+    step(s)
+    s.add(waiting)
+    s.finish(running)
+    s.finish(waiting)
+    assert not s.has_work()
+    assert s.kv.pool.num_free == 16
+
+
+def test_prefix_hit_skips_cached_tokens():
+    s = make(budget=64)
+    a = request("a", 20)
+    s.add(a)
+    step(s)
+    s.finish(a)
+    b = request("b", 25)  # shares a's first 20 tokens: 5 full blocks cached
+    s.add(b)
+    plan = step(s)
+    assert plan.chunks[0].start == 20 and plan.chunks[0].num_tokens == 5
+    assert b.num_cached_tokens == 20
+
+
+def test_expired_request_is_dropped_and_freed():
+    s = make()
+    r = request("a", 10)
+    r.deadline = time.monotonic() - 1
+    s.add(r)
+    plan = s.schedule()
+    assert plan.expired == [r] and not plan.chunks
+    assert s.kv.pool.num_free == 64
