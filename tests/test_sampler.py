@@ -1,0 +1,137 @@
+"""Sampler and stop-string handling, without any model."""
+
+import numpy as np
+import pytest
+
+from service.core.detokenizer import IncrementalDetokenizer
+from service.core.params import SamplingParams
+from service.core.request import Request
+from service.core.sampler import sample
+from service.errors import InvalidArgument
+
+V = 50
+
+
+def req(rid="r", prompt=(1, 2, 3), **kw) -> Request:
+    return Request(rid, list(prompt), SamplingParams(**kw))
+
+
+def logits_for(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, V)).astype(np.float32)
+
+
+def test_greedy_is_argmax():
+    x = logits_for(3)
+    out = sample(x.copy(), [req(), req(), req()])
+    assert out.token_ids == list(x.argmax(-1))
+
+
+def test_seeded_sampling_independent_of_batch():
+    x = logits_for(1, seed=1)[0]
+    alone = [sample(x[None].copy(), [r]).token_ids[0] for r in [req(temperature=1.0, seed=42)] for _ in range(1)]
+    r1 = req(temperature=1.0, seed=42)
+    r2 = req(temperature=1.0, seed=42)
+    seq_alone = [sample(x[None].copy(), [r1]).token_ids[0] for _ in range(20)]
+    batch = np.stack([logits_for(1, seed=9)[0], x, logits_for(1, seed=8)[0]])
+    others = [req(temperature=0.7, seed=1), r2, req(temperature=1.3)]
+    seq_batched = [sample(batch.copy(), others).token_ids[1] for _ in range(20)]
+    assert seq_alone == seq_batched
+    assert seq_alone[0] == alone[0]
+    assert len(set(seq_alone)) > 1  # really random, not greedy
+
+
+def test_top_k_one_is_greedy_and_top_p_small_is_greedy():
+    x = logits_for(1, seed=3)
+    best = int(x.argmax())
+    for r in (req(temperature=1.0, top_k=1, seed=0), req(temperature=1.0, top_p=1e-6, seed=0)):
+        assert all(sample(x.copy(), [r]).token_ids[0] == best for _ in range(10))
+
+
+def test_top_k_limits_candidates():
+    x = logits_for(1, seed=4)
+    top3 = set(np.argsort(-x[0])[:3].tolist())
+    r = req(temperature=5.0, top_k=3, seed=0)
+    assert {sample(x.copy(), [r]).token_ids[0] for _ in range(200)} <= top3
+
+
+def test_min_p_drops_unlikely_tokens():
+    x = np.full((1, V), -10.0, dtype=np.float32)
+    x[0, 5] = 0.0
+    x[0, 6] = -0.5
+    r = req(temperature=1.0, min_p=0.5, seed=0)
+    assert {sample(x.copy(), [r]).token_ids[0] for _ in range(200)} == {5, 6}
+
+
+def test_repetition_and_presence_penalties_change_choice():
+    x = np.zeros((1, V), dtype=np.float32)
+    x[0, 2] = 1.0  # token 2 is in the prompt
+    x[0, 9] = 0.9
+    assert sample(x.copy(), [req(repetition_penalty=2.0)]).token_ids == [9]
+    r = req()
+    r.append_token(2)
+    r2 = Request("p", [1], SamplingParams(presence_penalty=0.5))
+    r2.append_token(2)
+    assert sample(x.copy(), [r]).token_ids == [2]
+    assert sample(x.copy(), [r2]).token_ids == [9]
+
+
+def test_min_new_tokens_masks_eos():
+    x = np.zeros((1, V), dtype=np.float32)
+    x[0, 0] = 5.0  # eos
+    r = Request("m", [1], SamplingParams(min_new_tokens=2, eos_token_ids=(0,)))
+    assert sample(x.copy(), [r]).token_ids != [0]
+
+
+def test_logprobs_top_n():
+    x = logits_for(1, seed=5)
+    out = sample(x.copy(), [req(logprobs=3)])
+    lp = out.logprobs[0]
+    assert lp is not None and len(lp.top) == 3
+    assert lp.top[0][0] == int(x.argmax()) == lp.token_id
+    ref = x[0] - np.log(np.exp(x[0]).sum())
+    assert lp.logprob == pytest.approx(float(ref.max()), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("field", "kw"),
+    [
+        ("max_new_tokens", {"max_new_tokens": 0}),
+        ("max_new_tokens", {"max_new_tokens": 10_000}),
+        ("temperature", {"temperature": -0.1}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.5}),
+        ("top_k", {"top_k": -1}),
+        ("stop", {"stop": tuple("abcdefghijklmnopq")}),
+    ],
+)
+def test_invalid_params_name_the_field(field, kw):
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**kw).validate(max_new_tokens_limit=4096)
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+def char_decode(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def test_stop_string_held_back_and_excluded():
+    d = IncrementalDetokenizer(char_decode, stop=["END"])
+    pieces = [d.add([ord(c)]) for c in "hello E"]
+    assert "".join(pieces) == "hello "  # "E" could start "END": held back
+    assert d.add([ord("N")]) == ""
+    assert d.add([ord("D")]) == ""
+    assert d.stopped
+    assert d.flush() == ""
+
+
+def test_stop_string_included_when_asked():
+    d = IncrementalDetokenizer(char_decode, stop=["END"], include_stop=True)
+    text = "".join(d.add([ord(c)]) for c in "ab END more")
+    assert text == "ab END"
+
+
+def test_false_stop_prefix_is_released():
+    d = IncrementalDetokenizer(char_decode, stop=["END"])
+    text = "".join(d.add([ord(c)]) for c in "EN EX") + d.flush()
+    assert text == "EN EX"
