@@ -275,6 +275,7 @@ class Engine:
         if added and self.config.batch_window_ms > 0 and not self.scheduler.running:
             time.sleep(self.config.batch_window_ms / 1000)  # gather a burst of arrivals into one step
             self._take_commands(block=False)
+        self._update_stats()
 
     def _apply(self, command: tuple[str, object]) -> bool:
         kind, payload = command
@@ -354,10 +355,12 @@ class Engine:
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed; nobody is listening
                 loop.call_soon_threadsafe(_deliver, items)
 
-    def _update_stats(self, plan: StepPlan, seconds: float) -> None:
+    def _update_stats(self, plan: StepPlan | None = None, seconds: float | None = None) -> None:
+        """Publish a fresh snapshot; callers on other threads read it without locks."""
         s = self._stats
-        generated = sum(1 for c in plan.chunks if c.sample)
-        prompt = sum(c.num_tokens for c in plan.chunks if c.start < c.request.num_prompt_tokens)
+        chunks = plan.chunks if plan else []
+        generated = sum(1 for c in chunks if c.sample)
+        prompt = sum(c.num_tokens for c in chunks if c.start < c.request.num_prompt_tokens)
         self._stats = EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -368,9 +371,9 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=s.num_prompt_tokens + prompt,
             num_generated_tokens=s.num_generated_tokens + generated,
-            num_steps=s.num_steps + 1,
-            last_step_seconds=seconds,
-            tokens_per_step=float(plan.num_tokens),
+            num_steps=s.num_steps + (plan is not None),
+            last_step_seconds=s.last_step_seconds if seconds is None else seconds,
+            tokens_per_step=float(plan.num_tokens) if plan else s.tokens_per_step,
             num_cache_evictions=self.kv.pool.num_evictions,
         )
 
