@@ -137,6 +137,13 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        log.info(
+            "max_model_len %d (model context %d, KV cache holds %d tokens in %d blocks)",
+            max_model_len,
+            context,
+            capacity,
+            self.runner.num_blocks,
+        )
         self.vocab_limit = int(model_config.get("vocab_size", self.tokenizer.vocab_size))
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only

@@ -177,3 +177,23 @@ def test_streamed_text_of_chinese_and_emoji_round_trips(engine):
     deltas = [d.add([t]) for t in ids] + [d.flush()]
     assert "".join(deltas) == engine.tokenizer.decode(ids) == text
     assert all("\ufffd" not in piece for piece in deltas)
+
+
+def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeypatch):
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def fail_once(seqs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected failure")
+        return real_execute(seqs)
+
+    monkeypatch.setattr(engine.runner, "execute", fail_once)
+    from service.errors import EngineFailure
+
+    with pytest.raises(EngineFailure, match="injected failure"):
+        run(collect(engine, [5, 6, 7]))
+    assert_no_blocks_held(engine)
+    tokens, _, _ = run(collect(engine, [5, 6, 7]))
+    assert len(tokens) == NEW
