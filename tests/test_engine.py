@@ -17,9 +17,9 @@ GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_qwen3_ir):
+def engine(tiny_qwen3_fp16_ir):
     e = Engine(
-        tiny_qwen3_ir,
+        tiny_qwen3_fp16_ir,
         EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=64, max_num_seqs=8, kv_cache_precision=PRECISION),
     )
     e.start()
@@ -28,8 +28,8 @@ def engine(tiny_qwen3_ir):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_qwen3_ir):
-    return StatefulReference(tiny_qwen3_ir)
+def reference(tiny_qwen3_fp16_ir):
+    return StatefulReference(tiny_qwen3_fp16_ir)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -86,11 +86,11 @@ def test_mixed_prefill_and_decode_match_reference(engine, reference):
     assert_no_blocks_held(engine)
 
 
-def test_preemption_keeps_outputs_exact(engine, tiny_qwen3_ir, reference):
+def test_preemption_keeps_outputs_exact(engine, tiny_qwen3_fp16_ir, reference):
     block_bytes = engine.info.kv_cache_bytes / engine.info.num_kv_blocks
     # 8 blocks of 32 tokens: four 100-token sequences cannot all fit at once.
     config = EngineConfig(kv_cache_gb=8 * block_bytes / 2**30, max_num_batched_tokens=64, kv_cache_precision=PRECISION)
-    small = Engine(tiny_qwen3_ir, config)
+    small = Engine(tiny_qwen3_fp16_ir, config)
     small.start()
     try:
         ps = prompts(4, seed=3)

@@ -1,0 +1,68 @@
+"""python -m convert SOURCE OUTPUT_DIR [options] | python -m convert verify DIR"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from convert.errors import ConvertError
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("nncf", "transformers", "torch", "optimum"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        if argv[:1] == ["verify"]:
+            args = _verify_parser().parse_args(argv[1:])
+            from convert.verify import verify
+
+            verify(Path(args.dir))
+            print(f"{args.dir}: OK")
+            return 0
+        args = _parser().parse_args(argv)
+        from convert.export import Options, convert
+
+        options = Options(
+            args.weight_format, args.group_size, args.ratio, args.sym, args.revision, args.trust_remote_code
+        )
+        convert(args.source, Path(args.output_dir), options, force=args.force)
+        return 0
+    except ConvertError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written to the output folder", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m convert",
+        description="Convert a Hugging Face causal LM "
+        "(hub id, local folder, .gguf file, or 'smollm2' for the embedded default) "
+        "to an OpenVINO IR with NNCF weight compression.",
+    )
+    p.add_argument("source")
+    p.add_argument("output_dir")
+    p.add_argument("--weight-format", choices=("int8", "int4", "fp16"), default="int8")
+    p.add_argument("--group-size", type=int)
+    p.add_argument("--ratio", type=float)
+    p.add_argument("--sym", action="store_true")
+    p.add_argument("--revision")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--force", action="store_true", help="replace a different model already in OUTPUT_DIR")
+    return p
+
+
+def _verify_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m convert verify")
+    p.add_argument("dir")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+class ConvertError(Exception):
+    """A problem the user can fix; printed as one line, exit code 2."""

