@@ -24,6 +24,7 @@ log = logging.getLogger("convert")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "granite")
 TOOLS = ("openvino", "optimum-intel", "nncf", "transformers", "torch")
 EMBEDDED_DEFAULT = "smollm2"
+LOW_SPACE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,22 @@ def convert(source: str, output: Path, options: Options, force: bool = False) ->
         _replace(work, output)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise ConvertError(f"no space left on the device holding {parent}: free some space and retry") from exc
+            raise _no_space(parent) from exc
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise ConvertError(f"no write permission for {parent}: choose another OUTPUT_DIR") from exc
+        raise
+    except RuntimeError as exc:  # OpenVINO reports a failed write as a stream error, not ENOSPC
+        if free_bytes(parent) < LOW_SPACE_BYTES:
+            raise _no_space(parent) from exc
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("done: %s", output)
     return output
+
+
+def _no_space(parent: Path) -> ConvertError:
+    return ConvertError(f"no space left on the device holding {parent}: free some space and retry")
 
 
 def _replace(work: Path, output: Path) -> None:
@@ -181,12 +190,12 @@ def _from_hub(model_id: str, scratch: Path, options: Options) -> tuple[Path, Pat
     return Path(folder), Path(folder)
 
 
-def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict) -> None:
-    from transformers import AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if "eos_token" in quirks:
-        tokenizer.eos_token = quirks["eos_token"]
+
+def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict) -> None:
+    """Copy the tokenizer files as they are (loading and re-saving them can break the decoder), then fix
+    the end-of-turn token and make sure the chat template is stored in both usual places."""
     for stale in (
         "openvino_tokenizer.xml",
         "openvino_tokenizer.bin",
@@ -194,19 +203,29 @@ def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict) -> None:
         "openvino_detokenizer.bin",
     ):
         (work / stale).unlink(missing_ok=True)  # optimum's copies can decode wrongly; the service uses tokenizer.json
-    tokenizer.save_pretrained(work)
-    template = tokenizer.chat_template
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copyfile(tokenizer_dir / name, work / name)
+    if not (work / "tokenizer.json").exists():
+        raise ConvertError(f"{tokenizer_dir} has no tokenizer.json (a fast tokenizer is needed)")
     config_path = work / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    if template and "chat_template" not in config:
-        config["chat_template"] = template
-        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    template_file = work / "chat_template.jinja"
+    template = config.get("chat_template") or (template_file.read_text() if template_file.exists() else None)
+    if "eos_token" in quirks:
+        config["eos_token"] = quirks["eos_token"]
     if template:
-        (work / "chat_template.jinja").write_text(template)
-    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        config["chat_template"] = template
+        template_file.write_text(template)
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    from tokenizers import Tokenizer
+
+    eos_name = config.get("eos_token")
+    eos_name = eos_name.get("content") if isinstance(eos_name, dict) else eos_name
+    eos_id = Tokenizer.from_file(str(work / "tokenizer.json")).token_to_id(eos_name) if eos_name else None
     gen_path = work / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    if "eos_token" in quirks or "eos_token_id" not in gen:
+    if eos_id is not None and ("eos_token" in quirks or "eos_token_id" not in gen):
         gen["eos_token_id"] = [eos_id]
     gen_path.write_text(json.dumps(gen, indent=2))
     _write_openvino_tokenizers(work)

