@@ -66,6 +66,9 @@ def load_api() -> Api:
 
 
 def _message_class(pb2, desc):
+    cls = getattr(pb2, desc.name, None)
+    if cls is not None:
+        return cls
     from google.protobuf import message_factory
 
     return message_factory.GetMessageClass(desc)
@@ -80,7 +83,7 @@ def _find_field(desc, names):
 
 def _request_setters(desc):
     """Setters for the prompt token ids and the sampling budget, wherever the proto put them."""
-    ids_names = ("prompt_token_ids", "token_ids", "input_ids")
+    ids_names = ("prompt_token_ids", "token_ids", "input_ids", "ids")
     path_ids = _search(desc, ids_names, depth=2)
     if path_ids is None:
         raise Unsupported(f"{desc.full_name} has no token-id prompt field ({', '.join(ids_names)})")
@@ -107,13 +110,18 @@ def _search(desc, names, depth, prefix=()):
     if depth <= 1:
         return None
     for f in desc.fields:
-        if f.message_type is not None and f.label != f.LABEL_REPEATED:
+        if f.message_type is not None and not _repeated(f):
             if f.containing_oneof is not None and f.message_type.name.lower().startswith("chat"):
                 continue
             hit = _search(f.message_type, names, depth - 1, (*prefix, f.name))
             if hit:
                 return hit
     return None
+
+
+def _repeated(f) -> bool:
+    flag = getattr(f, "is_repeated", None)
+    return bool(flag) if flag is not None else f.label == 3  # LABEL_REPEATED in older protobuf
 
 
 def _descend(msg, path):
@@ -128,9 +136,9 @@ def _count_tokens(resp) -> int:
     while stack:
         m = stack.pop()
         for f, v in m.ListFields():
-            if f.name in ("token_ids", "output_token_ids") and f.label == f.LABEL_REPEATED:
+            if f.name in ("token_ids", "output_token_ids") and _repeated(f):
                 return len(v)
-            if f.message_type is not None and f.label != f.LABEL_REPEATED:
+            if f.message_type is not None and not _repeated(f):
                 stack.append(v)
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -56,12 +57,14 @@ def conversations(tok, prompts: list[dict], n: int, history_tokens: int) -> list
     for c in range(n):
         msgs = [{"role": "system", "content": f"You are a careful writing assistant (session {c})."}]
         i = c * 5
-        while True:
-            msgs.append({"role": "user", "content": texts[i % len(texts)]})
-            msgs.append({"role": "assistant", "content": texts[(i + 7) % len(texts)]})
-            i += 1
-            if len(tok.encode_chat([*msgs, {"role": "user", "content": texts[i % len(texts)]}])) >= history_tokens:
+        while True:  # add earlier turns while the history stays within history_tokens
+            pair = [{"role": "user", "content": texts[i % len(texts)]},
+                    {"role": "assistant", "content": texts[(i + 7) % len(texts)]}]
+            last = {"role": "user", "content": texts[(i + 1) % len(texts)]}
+            if len(tok.encode_chat([*msgs, *pair, last])) > history_tokens and len(msgs) > 1:
                 break
+            msgs.extend(pair)
+            i += 1
         msgs.append({"role": "user", "content": texts[i % len(texts)]})
         turn1 = tok.encode_chat(msgs)
         suffix = tok.encode(f"<|im_end|>\n<|im_start|>user\n{TURN2_TEXT}<|im_end|>\n<|im_start|>assistant\n",
@@ -76,8 +79,9 @@ def run_worker(spec: dict, progress: Progress, timeout: float = 1800) -> dict:
         spec_path.write_text(json.dumps(spec))
         t0 = time.perf_counter()
         try:
+            env = os.environ | {"TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
             subprocess.run([sys.executable, "-m", "bench.workers", str(spec_path), str(out_path)], cwd=ROOT,
-                           timeout=timeout, check=False)
+                           timeout=timeout, check=False, env=env)
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"timed out after {timeout:.0f}s"}
         if not out_path.exists():

@@ -1,0 +1,259 @@
+"""REPORT.md and PNG plots from results.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import mean, median
+
+from bench.run import summary
+
+
+def _f(x, nd=1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    s = summary(results)
+    lines: list[str] = ["# ovserve benchmark report", ""]
+    m, v = results.get("machine", {}), results.get("versions", {})
+    lines += [
+        f"Run {results.get('started')} - {results.get('finished', '?')}"
+        f"{' (quick set)' if results.get('quick') else ''}.",
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {m.get('cpu_model')}, {m.get('usable_cpus')} usable of {m.get('logical_cpus')} logical CPUs, "
+        f"{m.get('memory_gb')} GiB RAM",
+        f"- ISA flags: {', '.join(m.get('isa_flags', []))}",
+        f"- Memory stream-read bandwidth (numpy, best of 5): **{_f(results.get('bandwidth_gbps'))} GB/s**",
+        f"- Python {m.get('python')}, {m.get('platform')}",
+        "- Packages: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        "",
+        "## Method",
+        "",
+        "Every engine runs in its own subprocess, one at a time, on the same int8 IR with the same prompt token "
+        "ids (the writing-assistant set in `bench/prompts.jsonl`, 21 chat prompts in English and Chinese, "
+        "rendered with the model's chat template). N concurrent requests = N prompts submitted at once, "
+        "128 new tokens each with eos ignored; output tokens/s = N x 128 / wall time from submission to the "
+        "last token (prefill included). Equal budgets for ovserve and genai: same KV-cache size, "
+        "max_num_seqs 32, max_num_batched_tokens 512, 2 inference threads, prefix caching off for throughput "
+        "runs (on for multi-turn), u8 KV cache (both defaults). ovserve and genai alternate order across rounds; "
+        "ratios are computed within a round, then the median is taken.",
+        "",
+    ]
+    for name, e in results.get("models", {}).items():
+        ms = s.get(name, {})
+        lines += [f"## {name}", "",
+                  f"IR `{e['dir']}`, weights {e['weight_bytes'] / 1e6:.0f} MB, "
+                  f"mean prompt {e['prompt_tokens_mean']:.0f} tokens, KV cache {e['budget']['kv_cache_gb']} GB, "
+                  f"{len(e['rounds'])} round(s).", "",
+                  "| engine | " + " | ".join(f"c={c}" for c in (1, 8, 32)) + " |", "|---|---|---|---|"]
+        rows = [("ovserve Engine (in-process)", ms.get("ours", {})),
+                ("openvino-genai ContinuousBatchingPipeline", ms.get("genai", {})),
+                ("optimum-intel generate(), static batch", ms.get("optimum", {})),
+                ("HF transformers PyTorch fp32 (32 new tokens)", ms.get("hf", {}))]
+        for label, d in rows:
+            if d:
+                lines.append(f"| {label} | " + " | ".join(_f(_get(d, c)) for c in (1, 8, 32)) + " |")
+        r = ms.get("ratio_vs_genai", {})
+        lines.append("| **ovserve / genai** | " + " | ".join(f"**{_f(_get(r, c), 2)}x**" for c in (1, 8, 32)) + " |")
+        lines += ["", "Output tokens/s; medians over rounds.", ""]
+        errs = [f"{k}: {e[k].get('error')}" for k in ("optimum", "hf") if k in e and not e[k].get("ok")]
+        for rnd in e["rounds"]:
+            errs += [f"{k}: {x.get('error')}" for k, x in rnd.items() if not x.get("ok")]
+        if errs:
+            lines += ["Failures: " + "; ".join(errs), ""]
+        ours1 = _get(ms.get("ours", {}), 1)
+        if ours1 and results.get("bandwidth_gbps"):
+            ceiling = results["bandwidth_gbps"] * 1e9 / e["weight_bytes"]
+            g1 = _get(ms.get("genai", {}), 1)
+            lines += [f"Batch-1 decode vs the memory limit: bandwidth / weight bytes = {ceiling:.0f} tok/s; "
+                      f"ovserve reaches {ours1:.1f} tok/s ({100 * ours1 / ceiling:.0f}% of it, prefill included)"
+                      + (f", genai {g1:.1f} ({100 * g1 / ceiling:.0f}%)." if g1 else "."), ""]
+        prof = _profile(e)
+        if prof:
+            lines += ["Where ovserve's engine thread spends a step (share of wall time, per concurrency): ", "",
+                      "| c | model execute | sampler | scheduler | other in step | outside steps |",
+                      "|---|---|---|---|---|---|"]
+            for c, p in prof.items():
+                lines.append(f"| {c} | {p['execute']:.0%} | {p['sample']:.0%} | {p['schedule']:.0%} | "
+                             f"{p['other']:.0%} | {p['idle']:.0%} |")
+            lines.append("")
+        lines += _multiturn_md(e)
+        lines += _grpc_md(e)
+    lines += ["## Plots", ""]
+    for png in plots(results, s, out):
+        lines.append(f"![{png.stem}]({png.name})")
+    lines.append("")
+    (out / "REPORT.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+def _get(d: dict, c: int):
+    return d.get(c, d.get(str(c)))
+
+
+def _profile(e: dict) -> dict:
+    acc: dict = {}
+    for rnd in e["rounds"]:
+        if not rnd.get("ours", {}).get("ok"):
+            continue
+        for r in rnd["ours"]["runs"]:
+            t = r.get("engine_thread_s")
+            if not t:
+                continue
+            w = r["wall_s"]
+            other = t["step"] - t["execute"] - t["sample"] - t["schedule"] - t["complete"]
+            acc.setdefault(r["concurrency"], []).append(
+                {"execute": t["execute"] / w, "sample": t["sample"] / w,
+                 "schedule": (t["schedule"] + t["complete"]) / w, "other": other / w, "idle": 1 - t["step"] / w})
+    return {c: {k: mean(x[k] for x in v) for k in v[0]} for c, v in acc.items()}
+
+
+def _multiturn_md(e: dict) -> list[str]:
+    mo, mg = e.get("multiturn_ours"), e.get("multiturn_genai")
+    if not mo:
+        return []
+    if not mo.get("ok"):
+        return [f"Multi-turn failed: {mo.get('error')}", ""]
+    lines = ["### Multi-turn: second-turn TTFT, history cached vs cold", "",
+             f"{len(mo['cached_ttft_s'])} conversations; turn-2 prompts of {min(mo['prompt_tokens'])}-"
+             f"{max(mo['prompt_tokens'])} tokens (turn-1 history + a 32-token reply + a new user message); "
+             "cold = the identical prompt on an engine with prefix caching off. Medians, ms.", "",
+             "| engine | cached | cold | cold / cached |", "|---|---|---|---|"]
+    for label, d in (("ovserve", mo), ("genai (enable_prefix_caching)", mg)):
+        if d and d.get("ok"):
+            a, b = median(d["cached_ttft_s"]), median(d["cold_ttft_s"])
+            lines.append(f"| {label} | {_ms(a)} | {_ms(b)} | {b / a:.1f}x |")
+    lines += ["", f"ovserve reused {mo['cached_tokens']} prompt tokens from the cache.", ""]
+    return lines
+
+
+def _grpc_md(e: dict) -> list[str]:
+    g = e.get("grpc")
+    if not g:
+        return []
+    lines = ["### gRPC overhead: through the server vs the engine in-process (same run)", ""]
+    inproc = _inproc(g)
+    if g.get("skipped") or g.get("error"):
+        lines += [f"gRPC runs skipped or failed: {g.get('skipped') or g.get('error')}", ""]
+    bursts: dict = {}
+    for b in g.get("burst", []):
+        bursts.setdefault(b["concurrency"], []).append(b["tokens_per_s"])
+    if bursts:
+        lines += ["| streams | in-process tok/s | gRPC tok/s | cost |", "|---|---|---|---|"]
+        for c, v in sorted(bursts.items()):
+            ip = inproc.get(c)
+            gr = median(v)
+            lines.append(f"| {c} | {_f(ip)} | {_f(gr)} | {_f(100 * (1 - gr / ip)) + '%' if ip else '-'} |")
+        lines += ["", "In-process = mean of the runs before and after the server session (server's default "
+                  "engine budget); gRPC = median of 2 bursts; client and server share the same 2 cores.", ""]
+    if g.get("closed_loop"):
+        lines += ["Closed-loop sweep through gRPC (each stream sends its next request when the last ends):", "",
+                  "| streams | out tok/s | req/s | TTFT p50 / p95 / p99 ms | ITL p50 / p99 ms | errors |",
+                  "|---|---|---|---|---|---|"]
+        for r in g["closed_loop"]:
+            lines.append(_load_row(r["concurrency"], r))
+        lines.append("")
+    if g.get("poisson"):
+        lines += ["Open-loop Poisson arrivals through gRPC:", "",
+                  "| rate req/s | out tok/s | req/s | TTFT p50 / p95 / p99 ms | ITL p50 / p99 ms | errors |",
+                  "|---|---|---|---|---|---|"]
+        for r in g["poisson"]:
+            lines.append(_load_row(r["rate"], r))
+        lines.append("")
+    return lines
+
+
+def _inproc(g: dict) -> dict:
+    acc: dict = {}
+    for k in ("inproc_before", "inproc_after"):
+        if g.get(k, {}).get("ok"):
+            for r in g[k]["runs"]:
+                acc.setdefault(r["concurrency"], []).append(r["tokens_per_s"])
+    return {c: mean(v) for c, v in acc.items()}
+
+
+def _load_row(key, r: dict) -> str:
+    t, i = r["ttft_s"], r["itl_s"]
+    return (f"| {key} | {_f(r['tokens_per_s'])} | {_f(r['requests_per_s'], 2)} | "
+            f"{_ms(t['p50'])} / {_ms(t['p95'])} / {_ms(t['p99'])} | {_ms(i['p50'])} / {_ms(i['p99'])} | "
+            f"{r['errors'] or 0} |")
+
+
+def plots(results: dict, s: dict, out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    models = list(results.get("models", {}))
+    if models:
+        fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+        for ax, name in zip(axes[0], models, strict=True):
+            for kind, label in (("ours", "ovserve"), ("genai", "genai CB"), ("optimum", "optimum-intel"),
+                                ("hf", "HF PyTorch")):
+                d = s.get(name, {}).get(kind)
+                if d:
+                    cs = sorted(int(c) for c in d)
+                    ax.plot(cs, [_get(d, c) for c in cs], marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel("output tokens/s")
+            ax.set_title(name)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        made.append(out / "throughput_vs_concurrency.png")
+        fig.savefig(made[-1], dpi=110)
+        plt.close(fig)
+    for name, e in results.get("models", {}).items():
+        g = e.get("grpc") or {}
+        if g.get("closed_loop") or g.get("poisson"):
+            fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+            for ax, key, xk, xl in ((axes[0], "closed_loop", "concurrency", "concurrent streams (closed loop)"),
+                                    (axes[1], "poisson", "rate", "arrival rate, req/s (Poisson)")):
+                rows = g.get(key) or []
+                x = [r[xk] for r in rows]
+                for q in ("p50", "p95", "p99"):
+                    ax.plot(x, [(r["ttft_s"][q] or 0) * 1000 for r in rows], marker="o", label=f"TTFT {q}")
+                for q in ("p50", "p99"):
+                    ax.plot(x, [(r["itl_s"][q] or 0) * 1000 for r in rows], marker="x", ls="--", label=f"ITL {q}")
+                ax.set_xlabel(xl)
+                ax.set_ylabel("ms")
+                ax.set_yscale("log")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=8)
+            fig.suptitle(f"{name}: latency vs load through gRPC")
+            fig.tight_layout()
+            made.append(out / f"latency_vs_load_{name}.png")
+            fig.savefig(made[-1], dpi=110)
+            plt.close(fig)
+        mo, mg = e.get("multiturn_ours"), e.get("multiturn_genai")
+        if mo and mo.get("ok"):
+            fig, ax = plt.subplots(figsize=(5.5, 4))
+            labels, cached, cold = [], [], []
+            for label, d in (("ovserve", mo), ("genai", mg)):
+                if d and d.get("ok"):
+                    labels.append(label)
+                    cached.append(median(d["cached_ttft_s"]) * 1000)
+                    cold.append(median(d["cold_ttft_s"]) * 1000)
+            xs = range(len(labels))
+            ax.bar([x - 0.2 for x in xs], cold, 0.4, label="cold cache")
+            ax.bar([x + 0.2 for x in xs], cached, 0.4, label="history cached")
+            ax.set_xticks(list(xs), labels)
+            ax.set_ylabel("second-turn TTFT, ms")
+            ax.set_title(f"{name}: prefix-cache effect (~1k-token history)")
+            ax.legend()
+            fig.tight_layout()
+            made.append(out / f"prefix_cache_{name}.png")
+            fig.savefig(made[-1], dpi=110)
+            plt.close(fig)
+    return made
