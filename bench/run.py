@@ -230,12 +230,14 @@ def _server_flags(budget: dict) -> list[str]:
                               text=True, timeout=60).stdout
     except Exception:
         return []
-    flags = []
+    flags = ["--metrics-port=0"] if "--metrics-port" in text else []
     for flag, key in (("--kv-cache-gb", "kv_cache_gb"), ("--max-num-seqs", "max_num_seqs"),
                       ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--num-threads", "num_threads"),
                       ("--threads", "num_threads")):
         if flag in text and not any(f.startswith(flag) for f in flags):
             flags.append(f"{flag}={budget[key]}")
+    if "--batch-window-ms" in text:
+        flags.append("--batch-window-ms=0")  # the in-process engine runs without a batching window
     return flags
 
 

@@ -51,9 +51,10 @@ def convert(source: str, output: Path, options: Options, force: bool = False) ->
     parent = output.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=parent))
-    except PermissionError as exc:
-        raise ConvertError(f"no write permission for {parent}: choose another OUTPUT_DIR") from exc
+        remove_stale_partials(output)
+        work = Path(tempfile.mkdtemp(prefix=f".{output.name}.{os.getpid()}.", suffix=".partial", dir=parent))
+    except OSError as exc:
+        raise _os_error(exc, parent) from exc
     try:
         hf_dir = _convert_into(source, work, options, identity)
         from convert.verify import verify
@@ -62,11 +63,7 @@ def convert(source: str, output: Path, options: Options, force: bool = False) ->
         shutil.rmtree(work / ".source", ignore_errors=True)
         _replace(work, output)
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise _no_space(parent) from exc
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise ConvertError(f"no write permission for {parent}: choose another OUTPUT_DIR") from exc
-        raise
+        raise _os_error(exc, parent) from exc
     except RuntimeError as exc:  # OpenVINO reports a failed write as a stream error, not ENOSPC
         if free_bytes(parent) < LOW_SPACE_BYTES:
             raise _no_space(parent) from exc
@@ -75,6 +72,36 @@ def convert(source: str, output: Path, options: Options, force: bool = False) ->
         shutil.rmtree(work, ignore_errors=True)
     log.info("done: %s", output)
     return output
+
+
+def _os_error(exc: OSError, parent: Path) -> Exception:
+    if exc.errno == errno.ENOSPC:
+        return _no_space(parent)
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ConvertError(f"no write permission for {parent}: choose another OUTPUT_DIR or fix its permissions")
+    return exc
+
+
+def remove_stale_partials(output: Path) -> None:
+    """Temporary folders left by a conversion that was killed (SIGKILL, power loss): their pid is gone."""
+    for stale in output.parent.glob(f".{output.name}.*.partial"):
+        try:
+            pid = int(stale.name[len(output.name) + 2 :].split(".", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            log.info("removing %s, left by an interrupted conversion", stale.name)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _no_space(parent: Path) -> ConvertError:
@@ -144,7 +171,7 @@ def _materialize(source: str, scratch: Path, options: Options) -> tuple[Path, Pa
         if not path.is_file():
             raise ConvertError(f"no such file: {path}")
         return (*_from_gguf(path, scratch), {})
-    if path.exists() or source.startswith((".", "/", "~")):
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1:
         if not (path / "config.json").is_file():
             raise ConvertError(f"{path} is not a Hugging Face model folder (no config.json)")
         return path, path, {}
@@ -178,13 +205,23 @@ def _from_gguf(gguf: Path, scratch: Path) -> tuple[Path, Path]:
 
 
 def _from_hub(model_id: str, scratch: Path, options: Options) -> tuple[Path, Path]:
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
+    log.info("downloading %s from the Hugging Face Hub ...", model_id)
+    try:
         folder = snapshot_download(model_id, revision=options.revision)
+    except GatedRepoError as exc:
+        raise ConvertError(f"{model_id!r} is gated on the Hugging Face Hub: log in with `hf auth login`") from exc
+    except RevisionNotFoundError as exc:
+        raise ConvertError(f"{model_id!r} has no revision {options.revision!r} on the Hugging Face Hub") from exc
+    except RepositoryNotFoundError as exc:
+        raise ConvertError(
+            f"{model_id!r} is neither a local path nor a model on the Hugging Face Hub: check the name"
+        ) from exc
     except Exception as exc:
         raise ConvertError(
-            f"cannot download {model_id!r} from the Hugging Face Hub ({type(exc).__name__}); without network access, "
+            f"cannot reach the Hugging Face Hub for {model_id!r} ({type(exc).__name__}): no network? "
             "pass a local model folder or a .gguf file instead"
         ) from exc
     return Path(folder), Path(folder)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": text.strip()}
     ]
-    certs = open(args.ca_cert, "rb").read() if args.ca_cert else None
+    certs = Path(args.ca_cert).read_bytes() if args.ca_cert else None
     try:
         with Client(args.target, args.token, certs) as client:
             for delta in client.stream_chat(
