@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -15,12 +17,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("nncf", "transformers", "torch", "optimum"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    # kill / systemd stop: unwind like Ctrl-C so the temporary folder is removed (SIGKILL is handled at the next run)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if argv[:1] == ["verify"]:
             args = _verify_parser().parse_args(argv[1:])
+            from convert.export import reference_source
             from convert.verify import verify
 
-            verify(Path(args.dir))
+            folder = Path(args.dir)
+            try:
+                manifest = json.loads((folder / "manifest.json").read_text())
+            except (OSError, ValueError):
+                manifest = {}
+            reference = {} if args.no_compare else reference_source(manifest)
+            if not reference and not args.no_compare:
+                logging.getLogger("convert").info("verify: no source checkpoint at hand; no PyTorch comparison")
+            verify(folder, **reference)
             print(f"{args.dir}: OK")
             return 0
         args = _parser().parse_args(argv)
@@ -37,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written to the output folder", file=sys.stderr)
         return 130
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 def _verify_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m convert verify")
     p.add_argument("dir")
+    p.add_argument("--no-compare", action="store_true", help="skip the comparison against the PyTorch source")
     return p
 
 

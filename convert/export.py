@@ -343,3 +343,29 @@ def free_bytes(path: Path) -> int:
         path = path.parent
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def reference_source(manifest: dict) -> dict:
+    """The checkpoint a converted model came from, when it is still at hand: keyword arguments for verify()."""
+    source = manifest.get("source")
+    if not source:
+        return {}
+    if source == EMBEDDED_DEFAULT:
+        try:
+            return {"gguf": embedded_gguf()}
+        except ConvertError:
+            return {}
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        return {"gguf": path} if path.is_file() else {}
+    if (path / "config.json").is_file():
+        return {"source_dir": path}
+    if path.is_absolute() or source.startswith((".", "~")):
+        return {}
+    try:  # a hub model already in the local cache; never goes to the network
+        from huggingface_hub import snapshot_download
+
+        options = manifest.get("options") or {}
+        return {"source_dir": Path(snapshot_download(source, revision=options.get("revision"), local_files_only=True))}
+    except Exception:
+        return {}

@@ -46,13 +46,38 @@ def weight_stats(xml: Path) -> WeightStats:
     return WeightStats(total, compressed / total if total else 0.0)
 
 
-def verify(model_dir: Path, source_dir: Path | None = None) -> None:
+REQUIRED_FILES = (
+    "openvino_model.bin",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+)
+
+
+def verify(model_dir: Path, source_dir: Path | None = None, gguf: Path | None = None) -> None:
+    """Raises ConvertError when the IR is unfit for the service; compares against PyTorch when the source
+    (a Hugging Face folder, or a GGUF file) is given."""
     import openvino as ov
 
     xml = model_dir / "openvino_model.xml"
+    if not model_dir.is_dir():
+        raise ConvertError(f"no such folder: {model_dir}")
     if not xml.exists():
         raise ConvertError(f"{model_dir} has no openvino_model.xml: not a converted model")
-    model = ov.Core().read_model(xml)
+    absent = [f for f in REQUIRED_FILES if not (model_dir / f).exists()]
+    if absent:
+        raise ConvertError(f"{model_dir} lacks {', '.join(absent)}: convert the model again")
+    try:
+        model = ov.Core().read_model(xml)
+    except RuntimeError as exc:
+        raise ConvertError(f"OpenVINO cannot read {xml}: {str(exc).splitlines()[0]}") from exc
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    if not tok_config.get("chat_template"):
+        raise ConvertError(f"{model_dir / 'tokenizer_config.json'} has no chat_template")
+    eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    if not isinstance(eos, int) and not (isinstance(eos, list) and eos and all(isinstance(e, int) for e in eos)):
+        raise ConvertError(f"{model_dir / 'generation_config.json'} has no usable eos_token_id ({eos!r})")
     names = {n for i in model.inputs for n in i.get_names()}
     missing = [n for n in REQUIRED_INPUTS if n not in names]
     if missing or "logits" not in {n for o in model.outputs for n in o.get_names()}:
@@ -64,17 +89,22 @@ def verify(model_dir: Path, source_dir: Path | None = None) -> None:
     )
     if manifest.get("weight_format", "int8") in ("int8", "int4") and stats.compressed_share < 0.5:
         raise ConvertError(f"only {stats.compressed_share:.0%} of the weights are compressed; expected most of them")
-    if source_dir is not None:
-        _compare_with_pytorch(model_dir, source_dir)
+    log.info("verify: inputs %s and logits output present; eos %s", ", ".join(REQUIRED_INPUTS), eos)
+    if source_dir is not None or gguf is not None:
+        _compare_with_pytorch(model_dir, source_dir, gguf)
 
 
-def _compare_with_pytorch(model_dir: Path, source_dir: Path) -> None:
+def _compare_with_pytorch(model_dir: Path, source_dir: Path | None, gguf: Path | None) -> None:
     import openvino as ov
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    reference = AutoModelForCausalLM.from_pretrained(source_dir, torch_dtype=torch.float32)
+    log.info("verify: loading the PyTorch reference ...")
+    if gguf is not None:
+        reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    else:
+        reference = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32)
     compiled = ov.Core().compile_model(model_dir / "openvino_model.xml", "CPU")
     rows = []
     for prompt in PROMPTS:

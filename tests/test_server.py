@@ -1,0 +1,353 @@
+"""The gRPC server on localhost (port 0) with a real engine and a real converted model."""
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.api.ovserve.v1 import ovserve_pb2 as pb
+from service.client import Client, build_request
+from service.config import ServerConfig, parse_args
+from service.server import Server
+from tests.conftest import ROOT
+
+TIMEOUT = 60
+
+
+class Running:
+    """A Server on its own event loop thread, so tests can use the plain blocking client."""
+
+    def __init__(self, config: ServerConfig, load: bool = True) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.call(self._make(config))
+        if load:
+            self.call(self.server.load())
+        self.target = f"127.0.0.1:{self.server.port}"
+
+    async def _make(self, config: ServerConfig) -> Server:
+        server = Server(config)
+        await server.start()
+        return server
+
+    def call(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def engine(self):
+        return self.server.state.engine
+
+    def stop(self) -> None:
+        self.call(self.server.drain())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def base_config(model: Path, **kw) -> ServerConfig:
+    return ServerConfig(model=str(model), port=0, metrics_port=0, kv_cache_gb=0.05, max_num_batched_tokens=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_ir):
+    running = Running(base_config(tiny_qwen3_ir, max_num_seqs=16))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.target) as c:
+        yield c
+
+
+def wait_idle(engine, timeout: float = 10):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = engine.stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
+            return s
+        time.sleep(0.02)
+    return engine.stats()
+
+
+GREEDY = {"max_new_tokens": 16, "ignore_eos": True}
+
+
+def test_unary_and_stream_agree(client, server):
+    unary = client.generate(prompt="Write one sentence about the sea.", **GREEDY, timeout=TIMEOUT)
+    chunks = list(client.stream(prompt="Write one sentence about the sea.", **GREEDY, timeout=TIMEOUT))
+    assert unary.text and unary.finish_reason == pb.FINISH_REASON_LENGTH
+    assert "".join(c.text_delta for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    final = chunks[-1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH and final.usage.completion_tokens == 16
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    assert final.timings.time_to_first_token_seconds > 0
+
+
+def test_chat_input_uses_template(client, server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    ids = server.engine.tokenizer.encode_chat(messages)
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    assert server.engine.tokenizer.decode(ids, skip_special_tokens=False) == expected
+    tokenized = client.stub.Tokenize(pb.TokenizeRequest(chat=build_request(messages=messages).chat))
+    assert list(tokenized.token_ids) == ids
+    reply = client.generate(messages=messages, **GREEDY, timeout=TIMEOUT)
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.token_ids == client.generate(token_ids=ids, **GREEDY, timeout=TIMEOUT).token_ids
+
+
+def test_model_info(client, server):
+    info = client.model_info()
+    assert info.max_model_len == server.engine.info.max_model_len > 0
+    assert 151645 in info.eos_token_ids and info.num_threads >= 1 and info.kv_cache_bytes > 0
+
+
+def test_sixteen_concurrent_streams(client, server):
+    prompts = [f"Story number {i}: once upon a time" for i in range(16)]
+    expected = [client.generate(prompt=p, **GREEDY, timeout=TIMEOUT).text for p in prompts]
+
+    def stream(p):
+        return "".join(c.text_delta for c in client.stream(prompt=p, **GREEDY, timeout=TIMEOUT))
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(stream, prompts))
+    assert got == expected
+    wait_idle(server.engine)
+
+
+def test_cancel_mid_stream_frees_blocks(client, server):
+    call = client.stream(prompt="Tell a very long story.", max_new_tokens=2000, ignore_eos=True, timeout=TIMEOUT)
+    next(call)
+    assert server.engine.stats().num_running == 1
+    call.cancel()
+    s = wait_idle(server.engine)
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
+
+
+def test_deadline_exceeded_frees_blocks(client, server):
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stream(prompt="Tell a very long story.", max_new_tokens=3000, ignore_eos=True, timeout=0.3))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    s = wait_idle(server.engine)
+    assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
+
+
+BAD_INPUTS = [
+    ({"prompt": ""}, "prompt"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"token_ids": [10**7]}, "vocabulary"),
+    ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "hi", "max_new_tokens": 10**8}, "max_new_tokens"),
+    ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+    ({"prompt": "hi", "top_p": 0.0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "top_k": -1}, "top_k"),
+    ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), BAD_INPUTS)
+def test_bad_inputs_are_invalid_argument(client, kwargs, field):
+    for call in (client.generate, lambda **kw: list(client.stream(**kw))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(**kwargs, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+    assert client.generate(prompt="still serving", max_new_tokens=2, timeout=TIMEOUT).text is not None
+
+
+def test_prompt_and_messages_both_set(client):
+    request = build_request(messages=[{"role": "user", "content": "hi"}])
+    request.prompt = "also"  # a oneof: the last one set wins, so check the wire-level combination differently
+    assert request.WhichOneof("input") == "prompt"
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.Generate(pb.GenerateRequest(), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one" in err.value.details()
+
+
+def test_prompt_longer_than_context(client, server):
+    n = server.engine.info.max_model_len
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(token_ids=[5] * (n + 3), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(n + 3) in err.value.details() and str(n) in err.value.details()
+
+
+def test_overload_is_resource_exhausted(tiny_qwen3_ir):
+    running = Running(base_config(tiny_qwen3_ir, max_num_seqs=1, max_queue=0))
+    try:
+        with Client(running.target) as c:
+            first = c.stream(prompt="long", max_new_tokens=2000, ignore_eos=True, timeout=TIMEOUT)
+            next(first)
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(prompt="second", max_new_tokens=2, timeout=TIMEOUT)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            first.cancel()
+    finally:
+        running.stop()
+
+
+def health_status(target: str, service: str = "") -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def test_health_loading_serving_draining(tiny_qwen3_ir):
+    running = Running(base_config(tiny_qwen3_ir), load=False)
+    try:
+        assert health_status(running.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with Client(running.target) as c, pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt="hi", timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        running.call(running.server.load())
+        assert health_status(running.target) == health_pb2.HealthCheckResponse.SERVING
+        assert health_status(running.target, "ovserve.v1.Generation") == health_pb2.HealthCheckResponse.SERVING
+        running.server.state.draining = True
+        running.call(running.server.state.set_serving(False))
+        assert health_status(running.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with Client(running.target) as c, pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt="hi", timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        running.stop()
+
+
+def test_auth_rejects_missing_or_wrong_token(tiny_qwen3_ir, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    running = Running(base_config(tiny_qwen3_ir, auth_token_file=str(token_file)))
+    try:
+        for token in (None, "wrong"):
+            with Client(running.target, token=token) as c:
+                for call in (
+                    lambda: c.generate(prompt="hi", max_new_tokens=2, timeout=TIMEOUT),
+                    lambda: list(c.stream(prompt="hi", max_new_tokens=2, timeout=TIMEOUT)),
+                ):
+                    with pytest.raises(grpc.RpcError) as err:
+                        call()
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(running.target, token="s3cret") as c:
+            assert c.generate(prompt="hi", max_new_tokens=2, timeout=TIMEOUT).usage.completion_tokens == 2
+        assert health_status(running.target) == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+    finally:
+        running.stop()
+
+
+def test_tls(tiny_qwen3_ir, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    running = Running(base_config(tiny_qwen3_ir, tls_cert=str(cert), tls_key=str(key), host="localhost"))
+    try:
+        with Client(f"localhost:{running.server.port}", root_certificates=cert.read_bytes()) as c:
+            assert c.generate(prompt="hi", max_new_tokens=3, timeout=TIMEOUT).usage.completion_tokens == 3
+        with Client(f"localhost:{running.server.port}") as plain, pytest.raises(grpc.RpcError):
+            plain.generate(prompt="hi", max_new_tokens=3, timeout=5)
+    finally:
+        running.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_streams(tiny_qwen3_ir):
+    env = {**os.environ, "OVSERVE_KV_CACHE_GB": "0.05"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "--model",
+            str(tiny_qwen3_ir),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--drain-grace-seconds",
+            "30",
+        ],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = None
+        for line in proc.stderr:
+            if "listening on" in line:
+                port = int(line.rsplit(":", 1)[1])
+            if "serving" in line and port:
+                break
+        with Client(f"127.0.0.1:{port}") as c:
+            stream = c.stream(prompt="drain me", max_new_tokens=300, ignore_eos=True, timeout=TIMEOUT)
+            first = next(stream)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(stream)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 300
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+
+
+def test_config_from_env(monkeypatch):
+    monkeypatch.setenv("OVSERVE_PORT", "6000")
+    monkeypatch.setenv("OVSERVE_KV_CACHE_GB", "2.5")
+    config = parse_args(["--model", "m", "--max-num-seqs", "8"])
+    assert (config.port, config.kv_cache_gb, config.max_num_seqs) == (6000, 2.5, 8)
+    assert replace(config, port=1).port == 1
+
+
+def test_generated_code_matches_proto(tmp_path):
+    out = tmp_path / "api"
+    out.mkdir()
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-Iproto",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
+            "proto/ovserve/v1/ovserve.proto",
+        ],
+        cwd=ROOT,
+        check=True,
+    )
+    subprocess.run([sys.executable, "scripts/fix_proto_imports.py", str(out)], cwd=ROOT, check=True)
+    for name in ("ovserve_pb2.py", "ovserve_pb2.pyi", "ovserve_pb2_grpc.py"):
+        committed = (ROOT / "service/api/ovserve/v1" / name).read_text()
+        assert (out / "ovserve/v1" / name).read_text() == committed, f"{name} is stale: run `make proto`"
