@@ -77,12 +77,33 @@ SPECIAL_TOKENS = [
     "</think>",
 ]
 EOS_IDS = [151645, 151643]
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# Qwen3 instruct chat format (ChatML): an optional system turn, user / assistant / tool turns, earlier
+# assistant reasoning (<think>...</think>) dropped from the history, tool results wrapped in <tool_response>.
+CHAT_TEMPLATE = """\
+{%- if messages and messages[0]['role'] == 'system' -%}
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' -}}
+{%- set rest = messages[1:] -%}
+{%- else -%}
+{%- set rest = messages -%}
+{%- endif -%}
+{%- for message in rest -%}
+{%- if message['role'] == 'assistant' -%}
+{%- set content = message['content'] or '' -%}
+{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}
+{{- '<|im_start|>assistant\\n' + content -}}
+{%- for call in message.get('tool_calls') or [] -%}
+{%- set fn = call['function'] if call['function'] is defined else call -%}
+{{- '\\n<tool_call>\\n{"name": "' + fn['name'] + '", "arguments": ' + (fn['arguments'] | tojson) + '}\\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\\n' -}}
+{%- elif message['role'] == 'tool' -%}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
+"""
 
 
 def qwen3_tokenizer():
@@ -120,9 +141,14 @@ def build(shape: str, out: Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     log.info("building a random-weight Qwen3 of shape %s ...", shape)
-    model = Qwen3ForCausalLM(config)
-    if shape != "tiny":
-        model = model.to(torch.bfloat16)
+    # The big shapes are initialized directly in bf16 (the real checkpoints' dtype): half the memory of fp32.
+    dtype = torch.float32 if shape == "tiny" else torch.bfloat16
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     GenerationConfig(eos_token_id=EOS_IDS, pad_token_id=EOS_IDS[1]).save_pretrained(out)
