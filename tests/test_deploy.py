@@ -2,7 +2,6 @@
 
 import shutil
 import subprocess
-import sys
 import tomllib
 
 import kubernetes_validate
