@@ -1,16 +1,23 @@
-"""Server settings: command-line flags, each with an OVSERVE_* environment variable as its default."""
+"""Server settings: command-line flags, each defaulting to its OVSERVE_<FLAG_UPPER_SNAKE> environment variable."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "OVSERVE_"
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """Defaults suit a 2-core box; on a 32-core server raise kv_cache_gb, max_num_seqs and
+    max_num_batched_tokens (see README). threads=None uses every CPU this process may run on."""
+
     model: str
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # 0.0.0.0 in containers (the k8s ConfigMap sets OVSERVE_HOST)
     port: int = 50051
     metrics_port: int = 9090  # 0 disables the metrics endpoint
     threads: int | None = None
@@ -21,60 +28,95 @@ class ServerConfig:
     max_model_len: int | None = None
     max_queue: int = 256
     batch_window_ms: float = 0.0
-    max_concurrent_streams: int = 512
+    enable_prefix_caching: bool = True
+    max_concurrent_streams: int = 256  # per HTTP/2 connection
     max_message_bytes: int = 4 << 20
     drain_grace_seconds: float = 30.0
     log_format: str = "text"
-    log_prompts: bool = False
     auth_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
 
 
-def _env(name: str, default: object) -> object:
-    return os.environ.get("OVSERVE_" + name.upper(), default)
+HELP = {
+    "model": "folder written by `python -m convert` (required)",
+    "host": "address to bind (use 0.0.0.0 in containers)",
+    "port": "gRPC port (0: any free port)",
+    "metrics_port": "Prometheus metrics HTTP port; 0 disables it",
+    "threads": "inference threads (default: the CPUs this process may use)",
+    "kv_cache_gb": "KV cache budget in GiB",
+    "kv_cache_precision": "KV cache element type",
+    "max_num_seqs": "requests generated together at most",
+    "max_num_batched_tokens": "tokens per engine step at most (prompt chunks and decode tokens)",
+    "max_model_len": "context limit (default: the model's, capped by what the KV cache holds)",
+    "max_queue": "requests waiting beyond the running ones before RESOURCE_EXHAUSTED",
+    "batch_window_ms": "wait this long after an arrival to gather a burst into one step",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "max_concurrent_streams": "concurrent RPCs per client connection (HTTP/2 streams)",
+    "max_message_bytes": "largest request or response message",
+    "drain_grace_seconds": "on SIGTERM, time given to in-flight requests before they are cancelled",
+    "log_format": "log lines as text or one JSON object per line",
+    "auth_token_file": "require `authorization: Bearer <token>` (the file's content) on all but health checks",
+    "tls_cert": "TLS certificate chain (PEM); with --tls-key serves TLS only",
+    "tls_key": "TLS private key (PEM)",
+}
+CHOICES = {"kv_cache_precision": ("u8", "f16", "f32"), "log_format": ("text", "json")}
 
 
-def parse_args(argv: list[str] | None = None) -> ServerConfig:
-    d = ServerConfig(model="")
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in TRUE + FALSE:
+        raise argparse.ArgumentTypeError(f"expected one of {TRUE + FALSE}, got {text!r}")
+    return value in TRUE
+
+
+def parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m service",
-        description="Serve a converted model over gRPC. "
-        "Every flag can also be set as OVSERVE_<FLAG> in the environment.",
+        description="Serve a converted model over gRPC. Every flag can also be set in the environment as "
+        f"{ENV_PREFIX}<FLAG_IN_UPPER_SNAKE_CASE>, e.g. {ENV_PREFIX}KV_CACHE_GB=4; flags win.",
     )
+    defaults = ServerConfig(model="")
+    for f in fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name) if f.name != "model" else None
+        kind = f.type.split(" | ")[0]  # annotations are strings (from __future__ import annotations)
+        text = env.get(env_name(f.name))
+        help_text = f"{HELP[f.name]} [env {env_name(f.name)}]"
+        if kind == "bool":
+            if text:
+                default = _bool(text)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        convert = {"int": int, "float": float, "str": str}[kind]
+        if text:
+            try:
+                default = convert(text)
+            except ValueError:
+                p.error(f"{env_name(f.name)}={text!r} is not a valid {kind}")
+        p.add_argument(flag, type=convert, default=default, choices=CHOICES.get(f.name), help=help_text)
+    return p
 
-    def add(flag: str, typ: type, default: object, help_text: str, **kw) -> None:
-        name = flag.replace("-", "_")
-        p.add_argument(f"--{flag}", type=typ, default=_env(name, default), help=help_text, **kw)
 
-    add("model", str, None, "folder written by `python -m convert` (required)")
-    add("host", str, d.host, "address to bind; 0.0.0.0 in containers")
-    add("port", int, d.port, "gRPC port")
-    add("metrics-port", int, d.metrics_port, "Prometheus metrics HTTP port; 0 disables it")
-    add("threads", int, d.threads, "inference threads (default: the CPUs this process may use)")
-    add("kv-cache-gb", float, d.kv_cache_gb, "KV cache budget in GiB")
-    add("kv-cache-precision", str, d.kv_cache_precision, "KV cache element type", choices=("u8", "f16", "f32"))
-    add("max-num-seqs", int, d.max_num_seqs, "requests batched together at most")
-    add("max-num-batched-tokens", int, d.max_num_batched_tokens, "tokens per engine step at most")
-    add("max-model-len", int, d.max_model_len, "context limit (default: the model's, capped by the KV cache)")
-    add("max-queue", int, d.max_queue, "waiting requests beyond the running ones before RESOURCE_EXHAUSTED")
-    add("batch-window-ms", float, d.batch_window_ms, "wait this long to gather arrivals into one step")
-    add("max-concurrent-streams", int, d.max_concurrent_streams, "concurrent RPCs per connection")
-    add("max-message-bytes", int, d.max_message_bytes, "largest request or response message")
-    add("drain-grace-seconds", float, d.drain_grace_seconds, "on SIGTERM, time given to in-flight requests")
-    add("log-format", str, d.log_format, "log line format", choices=("text", "json"))
-    add("auth-token-file", str, d.auth_token_file, "require `authorization: Bearer <token>` with this file's token")
-    add("tls-cert", str, d.tls_cert, "TLS certificate chain (PEM); with --tls-key enables TLS")
-    add("tls-key", str, d.tls_key, "TLS private key (PEM)")
-    p.add_argument(
-        "--log-prompts",
-        action="store_true",
-        default=str(_env("log_prompts", "")).lower() in ("1", "true"),
-        help="include prompt text in debug logs (off by default)",
-    )
+def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    p = parser(os.environ if env is None else env)
     args = p.parse_args(argv)
     if not args.model:
-        p.error("--model (or OVSERVE_MODEL) is required")
+        p.error(f"--model (or {env_name('model')}) is required")
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
-    return ServerConfig(**{k: v for k, v in vars(args).items()})
+    for name in ("port", "metrics_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_concurrent_streams", "max_message_bytes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
+    if args.kv_cache_gb <= 0 or args.drain_grace_seconds < 0 or args.max_queue < 0 or args.batch_window_ms < 0:
+        p.error("--kv-cache-gb must be > 0; --drain-grace-seconds, --max-queue, --batch-window-ms >= 0")
+    return ServerConfig(**vars(args))

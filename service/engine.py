@@ -313,8 +313,8 @@ class Engine:
                 log.exception("engine step failed")
                 for chunk in plan.chunks:
                     self._fail(chunk.request.request_id, EngineFailure(f"the model step failed: {exc}"))
+        self._update_stats(plan, time.perf_counter() - started)  # before sending: callers see fresh stats
         self._send(out)
-        self._update_stats(plan, time.perf_counter() - started)
 
     def _run(self, plan: StepPlan, out: dict[str, tuple[_Live, _Event]]) -> None:
         logits = self.runner.execute(

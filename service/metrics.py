@@ -1,58 +1,91 @@
-"""Prometheus metrics: request counters and latency histograms updated by the server, engine gauges read
-from the engine's stats snapshot at scrape time."""
+"""Prometheus metrics on their own HTTP port. The server updates request counters and latency histograms as
+requests run; engine gauges and counters are read from engine.stats() at scrape time, so the engine thread
+never touches prometheus-client."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+from service.core.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
 class Metrics:
-    def __init__(self, engine) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("ovserve_requests", "RPCs by method and status code", ["rpc", "code"], registry=r)
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "ovserve_requests", "Finished RPCs by method and status code", ["rpc", "code"], registry=r
+        )
         self.ttft = Histogram(
-            "ovserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+            "ovserve_time_to_first_token_seconds", "RPC start to first token", buckets=LATENCY_BUCKETS, registry=r
         )
         self.itl = Histogram(
-            "ovserve_inter_token_latency_seconds", "Time between streamed tokens", buckets=LATENCY_BUCKETS, registry=r
+            "ovserve_inter_token_latency_seconds", "Time between tokens of a request", buckets=TOKEN_BUCKETS, registry=r
         )
         self.e2e = Histogram(
-            "ovserve_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r
+            "ovserve_request_latency_seconds", "End-to-end generation RPC latency", buckets=LATENCY_BUCKETS, registry=r
         )
         self.queue = Histogram(
             "ovserve_queue_time_seconds", "Time waiting before first scheduling", buckets=LATENCY_BUCKETS, registry=r
         )
-        r.register(_EngineCollector(engine))
+        self._engine = EngineCollector()
+        r.register(self._engine)
+        self._http = None
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def attach(self, engine) -> None:
+        self._engine.engine = engine
+
+    def observe_token(self, seconds: float, first: bool) -> None:
+        (self.ttft if first else self.itl).observe(seconds)
+
+    def observe_rpc(self, rpc: str, code: str, seconds: float, output: RequestOutput | None = None) -> None:
+        self.requests.labels(rpc, code).inc()
+        if rpc.startswith("Generate"):
+            self.e2e.observe(seconds)
+        if output is not None and output.timings is not None:
+            self.queue.observe(output.timings.queue)
+
+    def serve(self, port: int, host: str) -> None:
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
 
 
-class _EngineCollector:
-    def __init__(self, engine) -> None:
-        self.engine = engine
+class EngineCollector:
+    """Engine gauges and counters from one stats() snapshot per scrape; nothing until an engine is attached."""
+
+    def __init__(self) -> None:
+        self.engine = None
 
     def collect(self):
+        if self.engine is None:
+            return
         s = self.engine.stats()
         for name, doc, value in (
             ("ovserve_running_requests", "Requests being generated", s.num_running),
             ("ovserve_waiting_requests", "Requests waiting to be scheduled", s.num_waiting),
             ("ovserve_kv_cache_usage_ratio", "Share of KV cache blocks in use", s.kv_usage),
+            ("ovserve_kv_cache_free_blocks", "KV cache blocks free", s.num_free_blocks),
+            ("ovserve_kv_cache_blocks", "KV cache blocks in all", s.num_total_blocks),
             (
                 "ovserve_prefix_cache_hit_ratio",
                 "Share of prompt tokens served from the prefix cache",
                 s.prefix_hit_rate,
             ),
             ("ovserve_step_seconds", "Duration of the last engine step", s.last_step_seconds),
+            ("ovserve_tokens_per_step", "Tokens computed in the last engine step", s.tokens_per_step),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (
             ("ovserve_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions),
-            ("ovserve_prompt_tokens", "Prompt tokens computed", s.num_prompt_tokens),
+            ("ovserve_prompt_tokens", "Prompt tokens computed (prefix cache hits excluded)", s.num_prompt_tokens),
             ("ovserve_generated_tokens", "Tokens generated", s.num_generated_tokens),
         ):
             yield CounterMetricFamily(name, doc, value=value)

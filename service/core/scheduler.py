@@ -27,16 +27,13 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledChunk:
     """num_tokens tokens of request, starting at position start; sample is True when the chunk
-    reaches the request's last token, so its logits row is sampled."""
+    reaches the request's last token (as planned), so its logits row is sampled."""
 
     request: Request
     start: int
     num_tokens: int
     block_ids: list[int]
-
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_tokens
+    sample: bool
 
 
 @dataclass
@@ -129,7 +126,9 @@ class Scheduler:
             budget -= num_new
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        return ScheduledChunk(request, request.num_computed_tokens, num_new, self.kv.block_ids(request.request_id))
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, num_new, self.kv.block_ids(request.request_id),
+                              sample=start + num_new == request.num_tokens)
 
     def _drop_expired(self, plan: StepPlan) -> None:
         now = time.monotonic()

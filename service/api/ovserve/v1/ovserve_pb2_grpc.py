@@ -62,21 +62,22 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Generates a whole reply and returns it at once.
+        """Generates the whole reply and returns it at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """Streams the reply as it is generated; the last message carries finish reason, usage and timings.
+        """Streams the reply as it is generated. Text deltas concatenate to the reply Generate would return;
+        the last message carries finish_reason, usage and timings. Cancelling the call aborts the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Turns text (or chat messages, rendered with the chat template) into token ids.
+        """Turns text, or chat messages rendered with the chat template, into the token ids the model sees.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

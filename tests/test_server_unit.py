@@ -1,0 +1,380 @@
+"""The server without a model: proto <-> domain translation, the error table, config, auth and the
+generated code; then a real gRPC server on localhost around a scripted fake engine."""
+
+import asyncio
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service.api.ovserve.v1 import ovserve_pb2 as pb
+from service.client import Client, build_request
+from service.config import ServerConfig, parse_args
+from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, Usage
+from service.core.params import SamplingParams
+from service.engine import ModelInfo
+from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, Unavailable
+from service.server import (
+    Server,
+    authorized,
+    prompt_token_ids,
+    sampling_params,
+    start_server,
+    status_details,
+    status_of,
+    stream_response,
+    unary_response,
+)
+from tests.conftest import ROOT
+
+TIMEOUT = 30
+
+
+# -- proto -> domain -------------------------------------------------------------------------------------
+def test_unset_fields_take_sampling_defaults():
+    assert sampling_params(pb.GenerateRequest(prompt="x")) == SamplingParams()
+
+
+def test_zero_is_a_real_value():
+    request = build_request(prompt="x", temperature=0.0, top_k=0, seed=0, max_new_tokens=0, min_p=0.0)
+    assert request.HasField("temperature") and request.HasField("seed")
+    params = sampling_params(request)
+    assert (params.max_new_tokens, params.seed, params.temperature) == (0, 0, 0.0)
+
+
+def test_every_field_reaches_sampling_params():
+    request = build_request(
+        prompt="x",
+        max_new_tokens=7,
+        min_new_tokens=2,
+        temperature=0.5,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        seed=123,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        stop=["\n\n", "END"],
+        stop_token_ids=[7, 8],
+        include_stop_str_in_output=True,
+        ignore_eos=True,
+        logprobs=3,
+    )
+    p = sampling_params(request)
+    assert (p.max_new_tokens, p.min_new_tokens, p.top_k, p.seed, p.logprobs) == (7, 2, 40, 123, 3)
+    assert p.temperature == pytest.approx(0.5) and p.top_p == pytest.approx(0.9) and p.min_p == pytest.approx(0.05)
+    assert p.repetition_penalty == pytest.approx(1.1)
+    assert (p.presence_penalty, p.frequency_penalty) == (pytest.approx(0.5), pytest.approx(-0.5))
+    assert (p.stop, p.stop_token_ids, p.include_stop_str_in_output, p.ignore_eos) == (
+        ("\n\n", "END"),
+        (7, 8),
+        True,
+        True,
+    )
+
+
+class FakeTokenizer:
+    vocab_size = 100
+    eos_token_ids = (2,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    def encode_chat(self, messages) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
+
+    def apply_chat_template(self, messages) -> str:
+        if not messages:
+            raise InvalidArgument("messages", "must contain at least one message")
+        for i, m in enumerate(messages):
+            if m["role"] not in ("system", "user", "assistant", "tool"):
+                raise InvalidArgument(f"messages[{i}].role", f"unknown role {m['role']!r}")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_inputs():
+    tok = FakeTokenizer()
+    assert prompt_token_ids(tok, build_request(prompt="ab")) == tok.encode("ab")
+    assert prompt_token_ids(tok, build_request(prompt_token_ids=[1, 2, 3])) == [1, 2, 3]
+    chat = build_request(messages=[{"role": "user", "content": "hi"}])
+    assert prompt_token_ids(tok, chat) == tok.encode("<user>hi<assistant>")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({}, "exactly one"),
+        ({"prompt": ""}, "prompt: must not be empty"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"),
+    ],
+)
+def test_bad_inputs(kwargs, needle):
+    with pytest.raises(InvalidArgument) as err:
+        prompt_token_ids(FakeTokenizer(), build_request(**kwargs))
+    assert needle in str(err.value)
+
+
+# -- domain -> proto -------------------------------------------------------------------------------------
+OUTPUTS = [
+    RequestOutput("r1", (5,), "He", (TokenLogprob(5, -0.1, ((5, -0.1), (6, -2.0))),)),
+    RequestOutput("r1", (), ""),
+    RequestOutput(
+        "r1",
+        (6, 7),
+        "llo",
+        (TokenLogprob(6, -0.2, ()), TokenLogprob(7, -0.3, ())),
+        FinishReason.LENGTH,
+        Usage(4, 3, 2),
+        Timings(queue=0.01, ttft=0.1, decode=0.2, total=0.3),
+    ),
+]
+
+
+def test_stream_and_unary_responses():
+    chunks = [stream_response(o) for o in OUTPUTS]
+    assert [c.text for c in chunks] == ["He", "", "llo"]
+    assert chunks[0].finish_reason == pb.FINISH_REASON_UNSPECIFIED and not chunks[0].HasField("usage")
+    last = chunks[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_prompt_tokens) == (4, 3, 2)
+    assert last.timings.time_to_first_token_seconds == pytest.approx(0.1)
+    assert last.timings.decode_seconds == pytest.approx(0.2)
+    unary = unary_response(OUTPUTS)
+    assert (unary.request_id, unary.text, list(unary.token_ids)) == ("r1", "Hello", [5, 6, 7])
+    assert [lp.token_id for lp in unary.logprobs] == [5, 6, 7]
+    assert list(unary.logprobs[0].top_token_ids) == [5, 6]
+    assert unary.usage == last.usage and unary.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_finish_reasons_cover_the_domain():
+    names = {r.name for r in FinishReason} - {"ERROR"}  # ERROR becomes INTERNAL, not a finish reason
+    assert {f"FINISH_REASON_{n}" for n in names} <= set(pb.FinishReason.keys())
+    assert pb.FinishReason.Name(0) == "FINISH_REASON_UNSPECIFIED"
+
+
+def test_error_table():
+    assert status_of(InvalidArgument("top_p", "bad")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of(QueueFull("full")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_of(Unavailable("loading")) == grpc.StatusCode.UNAVAILABLE
+    assert status_of(DeadlineExceeded("late")) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert status_of(EngineFailure("boom")) == grpc.StatusCode.INTERNAL
+    assert status_of(ZeroDivisionError()) == grpc.StatusCode.INTERNAL
+    assert status_details(InvalidArgument("top_p", "must be in (0, 1], got 2")) == "top_p: must be in (0, 1], got 2"
+    assert "secret" not in status_details(RuntimeError("secret path /etc/x"))
+
+
+# -- auth ------------------------------------------------------------------------------------------------
+def test_authorized():
+    gen = "/ovserve.v1.Generation/Generate"
+    assert authorized(gen, (("authorization", "Bearer t0k"),), "t0k")
+    assert not authorized(gen, (("authorization", "Bearer nope"),), "t0k")
+    assert not authorized(gen, (("authorization", "t0k"),), "t0k")
+    assert not authorized(gen, (), "t0k") and not authorized(gen, None, "t0k")
+    assert authorized("/grpc.health.v1.Health/Check", (), "t0k")
+    assert not authorized("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (), "t0k")
+
+
+# -- config ----------------------------------------------------------------------------------------------
+def test_config_defaults_env_and_flags():
+    assert parse_args(["--model", "m"], env={}) == ServerConfig(model="m")
+    env = {
+        "OVSERVE_MODEL": "/models/x",
+        "OVSERVE_PORT": "6000",
+        "OVSERVE_KV_CACHE_GB": "2.5",
+        "OVSERVE_THREADS": "4",
+        "OVSERVE_ENABLE_PREFIX_CACHING": "false",
+        "OVSERVE_LOG_FORMAT": "json",
+    }
+    config = parse_args(["--max-num-seqs", "8", "--port", "7000"], env=env)
+    assert (config.model, config.port, config.kv_cache_gb, config.threads) == ("/models/x", 7000, 2.5, 4)
+    assert (config.max_num_seqs, config.enable_prefix_caching, config.log_format) == (8, False, "json")
+    assert parse_args(["--enable-prefix-caching"], env=env).enable_prefix_caching
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["--model", "m", "--tls-cert", "c"], ["--model", "m", "--port", "70000"], ["--model", "m", "--threads", "0"]],
+)
+def test_config_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv, env={})
+
+
+def test_config_bad_env():
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m"], env={"OVSERVE_PORT": "many"})
+
+
+# -- generated code --------------------------------------------------------------------------------------
+def test_generated_code_matches_proto(tmp_path):
+    out = tmp_path / "api"
+    out.mkdir()
+    protoc = [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"--python_out={out}", f"--pyi_out={out}"]
+    subprocess.run([*protoc, f"--grpc_python_out={out}", "proto/ovserve/v1/ovserve.proto"], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "scripts/fix_proto_imports.py", str(out)], cwd=ROOT, check=True)
+    for name in ("ovserve_pb2.py", "ovserve_pb2.pyi", "ovserve_pb2_grpc.py"):
+        committed = (ROOT / "service/api/ovserve/v1" / name).read_text()
+        assert (out / "ovserve/v1" / name).read_text() == committed, f"{name} is stale: run `make proto`"
+
+
+def test_every_proto_field_is_documented():
+    proto = (ROOT / "proto/ovserve/v1/ovserve.proto").read_text().splitlines()
+    for i, line in enumerate(proto):
+        stripped = line.strip()
+        is_field = stripped.endswith(";") and "=" in stripped and not stripped.startswith(("//", "syntax", "option"))
+        if is_field or stripped.startswith(("message ", "enum ", "rpc ", "service ")):
+            assert proto[i - 1].strip().startswith("//"), f"line {i + 1} has no comment: {stripped}"
+
+
+# -- a real gRPC server around a fake engine -------------------------------------------------------------
+INFO = ModelInfo("fake", "/nowhere", 64, 64, 100, (2,), 1, 1024, 4, 16, 2, 64)
+
+
+class FakeEngine:
+    """Emits one token per 10 ms; a prompt starting with token 99 makes generate() raise a plain bug."""
+
+    def __init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.info = INFO
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.live: set[str] = set()
+        self.shut_down = False
+
+    def start(self) -> None:
+        self.release.wait(TIMEOUT)
+        self.started.set()
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+    def stats(self):
+        from service.engine import EngineStats
+
+        return EngineStats(num_running=len(self.live), num_total_blocks=4, num_free_blocks=4 - len(self.live))
+
+    async def generate(self, ids, params, request_id=None, timeout=None):
+        if ids[0] == 99:
+            raise ZeroDivisionError("a bug")
+        params.validate(INFO.max_new_tokens_limit)
+        self.live.add(request_id)
+        try:
+            for i in range(params.max_new_tokens):
+                await asyncio.sleep(0.01)
+                last = i == params.max_new_tokens - 1
+                yield RequestOutput(
+                    request_id,
+                    (i,),
+                    self.tokenizer.decode([i]),
+                    finish_reason=FinishReason.LENGTH if last else None,
+                    usage=Usage(len(ids), i + 1, 0) if last else None,
+                    timings=Timings(0.0, 0.01, 0.01 * i, 0.01 * (i + 1)) if last else None,
+                )
+        finally:
+            self.live.discard(request_id)
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = TIMEOUT):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def health(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        request = health_pb2.HealthCheckRequest(service="")
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
+
+
+@pytest.fixture
+def loop():
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+def test_start_server_serves_at_once(loop):
+    engine = FakeEngine()
+    engine.release.set()
+    server, port = loop.run(start_server(engine, ServerConfig(model="", port=0, metrics_port=0)))
+    assert engine.started.is_set() and health(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING
+    with Client(f"127.0.0.1:{port}", timeout=TIMEOUT) as c:
+        assert c.generate(prompt_token_ids=[1], max_new_tokens=2).text == "AB"
+    loop.run(server.drain())
+
+
+def test_fake_engine_lifecycle_errors_and_auth(loop, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t0k\n")
+    config = ServerConfig(model="", port=0, metrics_port=0, drain_grace_seconds=5, auth_token_file=str(token))
+    engine = FakeEngine()
+
+    async def make() -> Server:
+        server = Server(config)
+        await server.start()
+        return server
+
+    server = loop.run(make())
+    target = f"127.0.0.1:{server.port}"
+    attaching = loop.spawn(server.attach(engine))  # blocks in engine.start() until released
+    assert health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with Client(target, token="t0k") as c, pytest.raises(grpc.RpcError) as err:
+        c.generate(prompt="hi")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
+    engine.release.set()
+    attaching.result(TIMEOUT)
+    assert health(target) == health_pb2.HealthCheckResponse.SERVING  # no token needed
+    with Client(target) as anonymous, pytest.raises(grpc.RpcError) as err:
+        anonymous.generate(prompt="hi")
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with Client(target, token="t0k", timeout=TIMEOUT) as c:
+        reply = c.generate(prompt="hi", max_new_tokens=3)
+        assert (reply.text, reply.finish_reason, reply.usage.completion_tokens) == ("ABC", pb.FINISH_REASON_LENGTH, 3)
+        assert "".join(ch.text for ch in c.stream(prompt="hi", max_new_tokens=3)) == "ABC"
+        assert c.model_info().model_id == "fake" and c.tokenize(text="ab") == [97, 98]
+        for kwargs, code in (
+            ({"prompt_token_ids": [99]}, grpc.StatusCode.INTERNAL),
+            ({"prompt": "hi", "top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(**kwargs)
+            assert err.value.code() == code, err.value.details()
+        stream = c.stream(prompt="hi", max_new_tokens=60)
+        next(stream)
+        stream.cancel()
+        loop.run(asyncio.sleep(0.2))
+        assert not engine.live  # cancel closed the engine's stream
+        long = c.stream(prompt="hi", max_new_tokens=50)
+        next(long)
+        draining = loop.spawn(server.drain())
+        loop.run(asyncio.sleep(0.1))
+        assert health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt="hi", max_new_tokens=1)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(long)  # the in-flight stream finishes
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 50
+        draining.result(TIMEOUT)
+    assert engine.shut_down
