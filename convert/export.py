@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -25,6 +26,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma"
 TOOLS = ("openvino", "optimum-intel", "nncf", "transformers", "torch")
 EMBEDDED_DEFAULT = "smollm2"
 LOW_SPACE_BYTES = 64 << 20
+# Part of a conversion's identity: bump it when the files written change, so old outputs are redone.
+CONVERTER_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,23 @@ class Options:
 
 def convert(source: str, output: Path, options: Options, force: bool = False) -> Path:
     output = output.resolve()
-    identity = {"source": source, "fingerprint": _fingerprint(source, options), "options": asdict(options)}
+    identity = {
+        "source": source,
+        "fingerprint": _fingerprint(source, options),
+        "options": asdict(options),
+        "converter": CONVERTER_VERSION,
+    }
     existing = _read_manifest(output)
     if existing is not None and not force:
         if {k: existing.get(k) for k in identity} == identity:
             log.info("%s already holds this conversion; nothing to do", output)
             return output
-        raise ConvertError(f"{output} holds a different model ({existing.get('source')}); pass --force to replace it")
+        same_model = all(existing.get(k) == identity[k] for k in ("source", "fingerprint", "options"))
+        what = "an older converter's output of this model" if same_model else "a different model"
+        what += f" ({existing.get('source')})"
+        raise ConvertError(f"{output} holds {what}; pass --force to replace it")
+    if output.exists() and not output.is_dir():
+        raise ConvertError(f"{output} is a file, not a folder: choose another OUTPUT_DIR")
     if output.exists() and existing is None and any(output.iterdir()) and not force:
         raise ConvertError(f"{output} exists and is not a converted model; pass --force to replace it")
     parent = output.parent
@@ -140,6 +153,7 @@ def _convert_into(source: str, work: Path, options: Options, identity: dict) -> 
     )
     model.save_pretrained(work)
     del model
+    gc.collect()  # the PyTorch model of the export, before verify loads a reference copy
     log.info("exported in %.0f s", time.time() - started)
     _write_tokenizer(tokenizer_dir, work, quirks)
     _write_manifest(work, identity, options)
@@ -164,13 +178,14 @@ def _materialize(source: str, scratch: Path, options: Options) -> tuple[Path, Pa
     """A Hugging Face folder for the source, the folder to take the tokenizer from, and model quirks."""
     if source == EMBEDDED_DEFAULT:
         gguf = embedded_gguf()
-        # The GGUF names <|im_start|> as eos; a chat turn really ends at <|im_end|>.
-        return (*_from_gguf(gguf, scratch), {"eos_token": "<|im_end|>"})
+        # The GGUF names <|im_start|> as eos; a chat turn really ends at <|im_end|>. It also names <|im_start|> as
+        # a BOS to prepend, which doubles the <|im_start|> that opens every chat prompt (SmolLM2 uses no BOS).
+        return (*_from_gguf(gguf, scratch), {"eos_token": "<|im_end|>", "gguf": True, "no_bos": True})
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ConvertError(f"no such file: {path}")
-        return (*_from_gguf(path, scratch), {})
+        return (*_from_gguf(path, scratch), {"gguf": True})
     if path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1:
         if not (path / "config.json").is_file():
             raise ConvertError(f"{path} is not a Hugging Face model folder (no config.json)")
@@ -251,6 +266,12 @@ def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict) -> None:
     template = config.get("chat_template") or (template_file.read_text() if template_file.exists() else None)
     if "eos_token" in quirks:
         config["eos_token"] = quirks["eos_token"]
+    if quirks.get("no_bos"):
+        tokenizer_json = json.loads((work / "tokenizer.json").read_text())
+        tokenizer_json["post_processor"] = None
+        (work / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
+    if quirks.get("gguf"):
+        config = _clean_gguf_tokenizer_config(config, work / "tokenizer.json")
     if template:
         config["chat_template"] = template
         template_file.write_text(template)
@@ -266,6 +287,34 @@ def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict) -> None:
         gen["eos_token_id"] = [eos_id]
     gen_path.write_text(json.dumps(gen, indent=2))
     _write_openvino_tokenizers(work)
+
+
+# transformers labels a GGUF's BPE tokenizer a CodeLlamaTokenizer and adds that class's infilling tokens and
+# options; loaded back through AutoTokenizer it then splits text wrongly. tokenizer.json is complete by itself.
+GGUF_STRAY_KEYS = (
+    "add_prefix_space", "eot_token", "extra_special_tokens", "fill_token", "middle_token", "prefix_token",
+    "suffix_token", "legacy", "use_default_system_prompt", "model_type", "is_local", "backend",
+)  # fmt: skip
+
+
+def _clean_gguf_tokenizer_config(config: dict, tokenizer_json: Path) -> dict:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    config = {k: v for k, v in config.items() if k not in GGUF_STRAY_KEYS}
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for role in ("bos", "eos", "unk", "pad"):
+        name = config.get(f"{role}_token")
+        name = name.get("content") if isinstance(name, dict) else name
+        token_id = tok.token_to_id(name) if name else None
+        if token_id is None:
+            config.pop(f"{role}_token", None)
+            config.pop(f"{role}_token_id", None)
+        else:
+            config[f"{role}_token_id"] = token_id
+    processor = json.loads(tokenizer_json.read_text()).get("post_processor") or {}
+    config["add_bos_token"] = config.get("bos_token") is not None and config["bos_token"] in json.dumps(processor)
+    return config
 
 
 def _write_openvino_tokenizers(work: Path) -> None:

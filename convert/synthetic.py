@@ -93,7 +93,8 @@ CHAT_TEMPLATE = """\
 {{- '<|im_start|>assistant\\n' + content -}}
 {%- for call in message.get('tool_calls') or [] -%}
 {%- set fn = call['function'] if call['function'] is defined else call -%}
-{{- '\\n<tool_call>\\n{"name": "' + fn['name'] + '", "arguments": ' + (fn['arguments'] | tojson) + '}\\n</tool_call>' -}}
+{{- '\\n<tool_call>\\n{"name": "' + fn['name'] + '", "arguments": ' -}}
+{{- (fn['arguments'] | tojson) + '}\\n</tool_call>' -}}
 {%- endfor -%}
 {{- '<|im_end|>\\n' -}}
 {%- elif message['role'] == 'tool' -%}

@@ -19,7 +19,7 @@ def _converted(name: str, source: str, *options: str) -> Path:
     a cached model from other inputs (e.g. a regenerated synthetic checkpoint) is replaced."""
     out = MODELS / name
     result = run_cli("-m", "convert", source, str(out), *options, check=False)
-    if result.returncode != 0 and "different model" in result.stderr:
+    if result.returncode != 0 and "pass --force to replace it" in result.stderr:
         result = run_cli("-m", "convert", source, str(out), *options, "--force", check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return out

@@ -1,0 +1,60 @@
+"""An interrupted conversion leaves no half-written model: Ctrl-C and kill clean up at once; after a
+SIGKILL (no chance to clean up) OUTPUT_DIR is still absent and the next run removes the leftover."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+
+def _start_and_interrupt(source: Path, out: Path, sig: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "convert", str(source), str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 120
+    for line in proc.stdout:  # wait until the export is under way
+        if "exporting" in line or time.time() > deadline:
+            break
+    time.sleep(3)
+    assert proc.poll() is None, "the conversion ended before it could be interrupted"
+    assert list(out.parent.glob(f".{out.name}.*.partial")), "no temporary folder while converting"
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    proc.stdout.close()
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_conversion_leaves_nothing(tiny_qwen3_hf: Path, tmp_path: Path, sig: int):
+    out = tmp_path / "out"
+    proc = _start_and_interrupt(tiny_qwen3_hf, out, sig)
+    assert proc.returncode != 0
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_killed_conversion_leaves_no_model_and_next_run_cleans_up(tiny_qwen3_hf: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    _start_and_interrupt(tiny_qwen3_hf, out, signal.SIGKILL)
+    assert not out.exists()
+    leftovers = list(tmp_path.iterdir())
+    assert all(p.name.startswith(".out.") and p.name.endswith(".partial") for p in leftovers), leftovers
+    # any later run on the same OUTPUT_DIR (here one that fails fast) removes what the killed run left
+    bad = tmp_path.parent / f"{tmp_path.name}-src"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    result = run_cli("-m", "convert", str(bad), str(out), check=False)
+    assert result.returncode == 2
+    assert list(tmp_path.iterdir()) == []
