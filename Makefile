@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install proto model tiny serve test test-fast lint bench bench-4b clean
+.PHONY: install proto model serve test test-fast lint bench bench-ab bench-4b clean
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ lint: $(STAMP)
 
 bench: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench --quick --out bench/results
+
+# ovserve and genai alternating in one process: the comparison to trust on a shared machine.
+bench-ab: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.ab $(MODEL)
 
 bench-4b: $(STAMP)
 	$(PY) -m bench --with-4b --out bench/results

@@ -96,7 +96,7 @@ def busy_cpus(seconds: float = 1.0) -> float | None:
 
 
 QUIET_WAIT_S = 20.0  # wait at most this long for other processes to calm down before a measurement
-_quiet_budget = [120.0]  # ... and at most this long over the whole run, so `make bench` stays bounded
+_quiet_budget = [60.0]  # ... and at most this long over the whole run, so `make bench` stays bounded
 
 
 def wait_quiet(progress: Progress, limit: float = 0.3) -> float | None:
