@@ -20,23 +20,7 @@ import grpc
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.api.ovserve.v1 import ovserve_pb2_grpc as pb_grpc
-
-# GenerateRequest's optional scalar fields, settable by keyword; None leaves a field unset (server default).
-OPTIONS = (
-    "max_new_tokens",
-    "min_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "include_stop_str_in_output",
-    "ignore_eos",
-    "logprobs",
-)
+from service.wire import SAMPLING_FIELDS as OPTIONS
 
 
 def build_request(

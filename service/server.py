@@ -23,6 +23,7 @@ from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig, ModelInfo
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
 from service.metrics import Metrics
+from service.wire import SAMPLING_FIELDS
 
 log = logging.getLogger("service.server")
 
@@ -43,23 +44,6 @@ FINISH_REASON_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-
-# GenerateRequest's proto3 `optional` fields that map one to one onto SamplingParams.
-SAMPLING_FIELDS = (
-    "max_new_tokens",
-    "min_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "include_stop_str_in_output",
-    "ignore_eos",
-    "logprobs",
-)
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode:

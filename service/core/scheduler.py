@@ -127,8 +127,9 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return ScheduledChunk(request, start, num_new, self.kv.block_ids(request.request_id),
-                              sample=start + num_new == request.num_tokens)
+        return ScheduledChunk(
+            request, start, num_new, self.kv.block_ids(request.request_id), sample=start + num_new == request.num_tokens
+        )
 
     def _drop_expired(self, plan: StepPlan) -> None:
         now = time.monotonic()
