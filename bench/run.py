@@ -42,10 +42,10 @@ def load_prompts() -> list[dict]:
 
 
 def tokenize(model_dir: Path, prompts: list[dict]) -> tuple[list[list[int]], object]:
-    from service.engine import _eos_ids, _read_json
-    from service.tokenizer import Tokenizer
+    from service.engine import _eos_ids
+    from service.tokenizer import Tokenizer, read_json
 
-    eos = _eos_ids(_read_json(model_dir / "generation_config.json"), _read_json(model_dir / "config.json"))
+    eos = _eos_ids(read_json(model_dir / "generation_config.json"), read_json(model_dir / "config.json"))
     tok = Tokenizer(model_dir, eos)
     return [tok.encode_chat(p["messages"]) for p in prompts], tok
 

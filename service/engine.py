@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import queue
 import threading
@@ -28,7 +27,7 @@ from service.core.sampler import sample
 from service.core.scheduler import Scheduler, SchedulerConfig, StepPlan
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
 from service.runner import ModelRunner, RunnerConfig, StepInput
-from service.tokenizer import Tokenizer
+from service.tokenizer import Tokenizer, read_json
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +102,8 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         model_dir = Path(model_dir)
-        model_config = _read_json(model_dir / "config.json")
-        eos = _eos_ids(_read_json(model_dir / "generation_config.json"), model_config)
+        model_config = read_json(model_dir / "config.json")
+        eos = _eos_ids(read_json(model_dir / "generation_config.json"), model_config)
         self.tokenizer = Tokenizer(model_dir, eos)
         self.runner = ModelRunner(
             model_dir,
@@ -122,7 +121,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.kv
         )
-        manifest = _read_json(model_dir / "manifest.json")
+        manifest = read_json(model_dir / "manifest.json")
         self.info = ModelInfo(
             model_id=str(manifest.get("model_id") or manifest.get("source") or model_dir.name),
             model_dir=str(model_dir),
@@ -161,19 +160,12 @@ class Engine:
         self._thread.start()
         self._accepting = True
 
-    def stop_accepting(self) -> None:
-        self._accepting = False
-
     def shutdown(self) -> None:
         self._accepting = False
         self._stopping = True
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._num_submitted
 
     # -- caller API ------------------------------------------------------------------------------------
     async def generate(
@@ -410,7 +402,3 @@ def _eos_ids(generation_config: dict, model_config: dict) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}

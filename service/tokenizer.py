@@ -18,7 +18,7 @@ ROLES = ("system", "user", "assistant", "tool")
 class Tokenizer:
     def __init__(self, model_dir: Path, eos_token_ids: Sequence[int]) -> None:
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config = _read_json(model_dir / "tokenizer_config.json")
+        config = read_json(model_dir / "tokenizer_config.json")
         template_file = model_dir / "chat_template.jinja"
         template = template_file.read_text() if template_file.exists() else config.get("chat_template")
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
@@ -72,5 +72,5 @@ def _token_text(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
