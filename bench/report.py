@@ -113,6 +113,7 @@ def write(results: dict, out: Path) -> None:
             lines.append("")
         lines += _multiturn_md(e)
         lines += _grpc_md(e)
+        lines += _tuning_md(e)
     lines += ["## Plots", ""]
     for png in plots(results, s, out):
         lines.append(f"![{png.stem}]({png.name})")
@@ -181,25 +182,36 @@ def _grpc_md(e: dict) -> list[str]:
     g = e.get("grpc")
     if not g:
         return []
-    lines = ["### gRPC overhead: through the server vs the engine in-process (same run)", ""]
-    inproc = _inproc(g)
+    lines = ["### gRPC layer: through the server vs the engine in-process (interleaved, same run)", ""]
     if g.get("skipped") or g.get("error"):
         lines += [f"gRPC runs skipped or failed: {g.get('skipped') or g.get('error')}", ""]
-    bursts: dict = {}
-    for b in g.get("burst", []):
-        bursts.setdefault(b["concurrency"], []).append(b["tokens_per_s"])
-    if bursts:
-        lines += ["| streams | in-process tok/s | gRPC tok/s | cost |", "|---|---|---|---|"]
-        for c, v in sorted(bursts.items()):
-            ip = inproc.get(c)
-            gr = median(v)
-            lines.append(f"| {c} | {_f(ip)} | {_f(gr)} | {_f(100 * (1 - gr / ip)) + '%' if ip else '-'} |")
+    o = g.get("overhead") or {}
+    if o.get("ok"):
+        lines += [
+            "| streams | in-process tok/s | gRPC tok/s | gRPC / in-process | CPU ms/token in-process | "
+            "server + load generator | extra CPU |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c, r in o["runs"].items():
+            lines.append(
+                f"| {c} | {_f(r['inproc_tokens_per_s'])} | {_f(r['grpc_tokens_per_s'])} | "
+                f"{r['throughput_ratio']:.3f} | {r['inproc_cpu_ms_per_token']:.2f} | "
+                f"{r['grpc_cpu_ms_per_token']:.2f} + {r['client_cpu_ms_per_token']:.2f} | "
+                f"{100 * r['cpu_cost']:+.1f}% |"
+            )
         lines += [
             "",
-            "In-process = mean of the runs before and after the server session (server's default "
-            "engine budget); gRPC = median of 2 bursts; client and server share the same 2 cores.",
+            f"`python -m bench.grpc_ab`: an in-process engine and `python -m service` with the same budget, loaded "
+            f"side by side, {len(next(iter(o['runs'].values()))['pairs'])} alternating pairs of bursts of "
+            f"{o['max_new_tokens']} new tokens per stream; ratios per pair, then the median. The load generator runs "
+            "under SCHED_IDLE (a remote client's CPU is not ours to spend). CPU per token: the whole in-process "
+            "engine vs the server process plus the load generator; with inference threads on every core, the extra "
+            "CPU is what the gRPC layer takes from inference (a second view of the same cost; both move with the "
+            "background load of a shared machine).",
             "",
         ]
+    elif o:
+        lines += [f"gRPC overhead run failed: {o.get('error', '')[-300:]}", ""]
     if g.get("closed_loop"):
         lines += [
             "Closed-loop sweep through gRPC (each stream sends its next request when the last ends):",
@@ -223,13 +235,35 @@ def _grpc_md(e: dict) -> list[str]:
     return lines
 
 
-def _inproc(g: dict) -> dict:
-    acc: dict = {}
-    for k in ("inproc_before", "inproc_after"):
-        if g.get(k, {}).get("ok"):
-            for r in g[k]["runs"]:
-                acc.setdefault(r["concurrency"], []).append(r["tokens_per_s"])
-    return {c: mean(v) for c, v in acc.items()}
+def _tuning_md(e: dict) -> list[str]:
+    t = e.get("tuning")
+    if not t:
+        return []
+    lines = [
+        "### Tuning answers",
+        "",
+        "`python -m bench.tune`: two in-process engines that differ in one setting, loaded side by side, runs "
+        "alternating; B/A is the median of per-pair ratios (above 1: B is faster).",
+        "",
+        "| knob | A | B | workload | A tok/s | B tok/s | B/A | TTFT p50 A / B ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for knob, r in t.items():
+        if not r.get("ok"):
+            lines.append(f"| {knob} | failed: {r.get('error', '')[-120:]} | | | | | | |")
+            continue
+        a, b = _setting(r["a"]), _setting(r["b"])
+        for w in r["workloads"]:
+            lines.append(
+                f"| {knob} | {a} | {b} | {w['workload']} | {_f(w['a_tokens_per_s'])} | {_f(w['b_tokens_per_s'])} | "
+                f"{w['b_over_a']:.2f} | {_ms(w['a_ttft_p50_s'])} / {_ms(w['b_ttft_p50_s'])} |"
+            )
+    lines.append("")
+    return lines
+
+
+def _setting(d: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items()) or "default"
 
 
 def _load_row(key, r: dict) -> str:

@@ -166,7 +166,8 @@ def run(args) -> dict:
         models.append(("qwen3-4b-shape-int8", Path(args.qwen4b), 4.0))
     rounds = 1 if quick else 2
     smol_rounds = 2  # SmolLM2 is cheap: always two interleaved rounds
-    n_steps = 3 + sum(2 * (smol_rounds if i == 0 else rounds) for i in range(len(models))) + 2 + 2 + 4
+    # machine; ours + genai per round and model; for SmolLM2: optimum, hf, 2 multi-turn, 2 gRPC, tuning knobs
+    n_steps = 1 + sum(2 * (smol_rounds if i == 0 else rounds) for i in range(len(models))) + 6 + len(TUNING_KNOBS)
     progress = Progress(n_steps)
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": quick}
 
@@ -250,6 +251,7 @@ def run(args) -> dict:
                 )
             # gRPC overhead and load sweeps
             entry["grpc"] = grpc_suite(path, ids, base, progress, quick)
+            entry["tuning"] = tuning_suite(path, progress, quick)
         results["models"][name] = entry
         _save(results, args.out)
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -271,11 +273,8 @@ def _smol_gguf() -> Path | None:
 
 
 def grpc_suite(path: Path, ids: list[list[int]], base: dict, progress: Progress, quick: bool) -> dict:
-    """In-process engine, then the server under load, then in-process again: overhead from the same run."""
+    """The gRPC layer's cost (interleaved A/B against the in-process engine), then the server under load."""
     out: dict = {}
-    inproc = base | {"kind": "ours", "concurrency": [1, 32]}
-    progress.step("gRPC: in-process engine baseline (1 and 32), before")
-    out["inproc_before"] = run_worker(inproc, progress)
     try:
         api = grpc_load.load_api()
     except grpc_load.Unsupported as exc:
@@ -284,19 +283,55 @@ def grpc_suite(path: Path, ids: list[list[int]], base: dict, progress: Progress,
         progress.step("gRPC: skipped")
         progress.step("gRPC: skipped")
         return out
+    progress.step("gRPC overhead: server vs in-process engine, interleaved, 1 and 32 streams")
+    out["overhead"] = grpc_overhead(path, 4 if quick else 8, progress)
     port = grpc_load.free_port()
     b = base["budget"]
     log_path = Path(tempfile.gettempdir()) / f"bench-server-{port}.log"
-    progress.step("gRPC: server up; bursts at 1 and 32 streams, concurrency sweep, Poisson arrivals")
+    progress.step("gRPC: server up; closed-loop concurrency sweep, Poisson arrivals")
     try:
         with grpc_load.server(str(path), port, log_path=log_path, extra=_server_flags(b)):
             out.update(asyncio.run(_grpc_load(api, port, ids, base["max_new_tokens"], progress, quick)))
     except Exception as exc:
         progress.note(f"gRPC failed: {exc} (server log: {log_path})")
         out["error"] = f"{type(exc).__name__}: {exc}"
-    progress.step("gRPC: in-process engine baseline (1 and 32), after")
-    out["inproc_after"] = run_worker(inproc, progress)
     return out
+
+
+def grpc_overhead(path: Path, repeats: int, progress: Progress) -> dict:
+    """`python -m bench.grpc_ab` in its own process: it holds an engine and a server side by side."""
+    return _run_module("bench.grpc_ab", [str(path), "--repeats", str(repeats)], progress)
+
+
+TUNING_KNOBS = ("threads", "kv_cache_precision", "dq_group_size", "batch_window_ms")
+
+
+def tuning_suite(path: Path, progress: Progress, quick: bool) -> dict:
+    """Each knob in its own process (`python -m bench.tune`): two engines differing in that knob alone."""
+    out = {}
+    for knob in TUNING_KNOBS:
+        progress.step(f"tuning: {knob}")
+        args = [str(path), "--knob", knob, "--repeats", "2" if quick else "4", *(["--quick"] if quick else [])]
+        out[knob] = _run_module("bench.tune", args, progress)
+    return out
+
+
+def _run_module(module: str, args: list[str], progress: Progress, timeout: float = 1800) -> dict:
+    """Run `python -m module args --out FILE` after waiting for a quiet machine; its JSON, or the error."""
+    wait_quiet(progress)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, check=False, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timed out after {timeout:.0f}s"}
+        for line in done.stdout.splitlines():
+            progress.note(line)
+        if not out.exists():
+            progress.note(f"{module} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+            return {"ok": False, "error": done.stderr[-2000:]}
+        return json.loads(out.read_text()) | {"ok": True}
 
 
 def _server_flags(budget: dict) -> list[str]:
@@ -324,13 +359,9 @@ def _server_flags(budget: dict) -> list[str]:
 
 async def _grpc_load(api, port: int, ids, max_new: int, progress: Progress, quick: bool) -> dict:
     client = grpc_load.Client(api, port)
-    out: dict = {"burst": [], "closed_loop": [], "poisson": []}
+    out: dict = {"closed_loop": [], "poisson": []}
     try:
         await grpc_load.burst(client, ids[:2], 2, 8)  # warm-up
-        for c in (1, 32, 1, 32):
-            r = await grpc_load.burst(client, ids, c, max_new)
-            out["burst"].append(r)
-            progress.note(f"grpc burst c={c}: {r['tokens_per_s']:.1f} tok/s, errors {r['errors']}")
         sweep = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32, 64)
         for c in sweep:
             r = await grpc_load.closed_loop(client, ids, c, 64 if quick else 256, requests_per_worker=2)

@@ -186,7 +186,7 @@ class Engine:
         finished = False
         try:
             while not finished:
-                event = await live.events.get()
+                event = _coalesce(await live.events.get(), live.events)
                 if event.error is not None:
                     finished = True
                     raise event.error
@@ -375,6 +375,17 @@ class Engine:
             tokens_per_step=float(plan.num_tokens) if plan else s.tokens_per_step,
             num_cache_evictions=self.kv.pool.num_evictions,
         )
+
+
+def _coalesce(event: _Event, pending: asyncio.Queue[_Event]) -> _Event:
+    """Fold the events already waiting behind this one into it: a consumer that fell behind (a slow client,
+    a busy event loop) catches up with one output, and so one stream message, instead of one per step."""
+    while event.error is None and event.finish_reason is None and not pending.empty():
+        later = pending.get_nowait()
+        if later.error is not None:
+            return later
+        event = replace(later, token_ids=event.token_ids + later.token_ids, logprobs=event.logprobs + later.logprobs)
+    return event
 
 
 def _deliver(items: list[tuple[_Live, _Event]]) -> None:

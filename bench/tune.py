@@ -1,0 +1,147 @@
+"""python -m bench.tune MODEL --knob NAME: one tuning question answered with data.
+
+Two engines that differ only in one setting are loaded side by side in this process and their runs
+alternate, so both see the same background load; each pair of runs gives a ratio (B over A) and the
+median of those is the answer. Knobs:
+
+- threads: 1 vs 2 inference threads (the same method answers "how many threads" on a bigger machine);
+- kv_cache_precision: u8 (the default) vs f16 KV cache;
+- dq_group_size: the CPU plugin's default dynamic-quantization group vs 64;
+- batch_window_ms: 0 (the default) vs 10 ms of waiting after an arrival to gather a burst into one step,
+  measured under staggered (Poisson) arrivals, where it could matter, and under a burst.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from statistics import median
+
+from bench import run, workers
+
+BASE = {"kv_cache_gb": 1.0, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2}
+KNOBS: dict[str, tuple[dict, dict]] = {
+    "threads": ({"num_threads": 1}, {"num_threads": 2}),
+    "kv_cache_precision": ({"kv_cache_precision": "u8"}, {"kv_cache_precision": "f16"}),
+    "dq_group_size": ({}, {"dynamic_quantization_group_size": 64}),
+    "batch_window_ms": ({"batch_window_ms": 0.0}, {"batch_window_ms": 10.0}),
+}
+
+
+def make_engine(model: Path, setting: dict, kv_gb: float):
+    from service.engine import Engine, EngineConfig
+
+    config = EngineConfig(**(BASE | {"kv_cache_gb": kv_gb, "enable_prefix_caching": False} | setting))
+    engine = Engine(model, config)
+    engine.start()
+    return engine
+
+
+async def arrivals(engine, prompts: list[list[int]], rate: float, n: int, max_new: int, seed: int = 0) -> dict:
+    """n requests at Poisson times (rate per second); tokens/s over the whole span and TTFT percentiles."""
+    from service.core.params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    rng = random.Random(seed)
+    ttfts: list[float] = []
+
+    async def one(ids: list[int], delay: float) -> int:
+        await asyncio.sleep(delay)
+        t0, count = time.perf_counter(), 0
+        async for out in engine.generate(ids, params):
+            if count == 0 and out.token_ids:
+                ttfts.append(time.perf_counter() - t0)
+            count += len(out.token_ids)
+        return count
+
+    delays, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        delays.append(t)
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(prompts[i % len(prompts)], d) for i, d in enumerate(delays)))
+    wall = time.perf_counter() - t0
+    ttfts.sort()
+    return {
+        "tokens_per_s": sum(counts) / wall,
+        "ttft_p50_s": ttfts[len(ttfts) // 2],
+        "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+    }
+
+
+def workloads(knob: str, quick: bool) -> list[tuple[str, dict]]:
+    max_new = 64 if quick else 128
+    if knob == "batch_window_ms":
+        return [
+            ("poisson 8 req/s, 16 requests", {"rate": 8.0, "n": 16, "max_new": max_new}),
+            ("burst of 16", {"rate": None, "n": 16, "max_new": max_new}),
+        ]
+    return [(f"burst of {c}", {"rate": None, "n": c, "max_new": max_new}) for c in (1, 8, 32)]
+
+
+def measure_once(engine, prompts: list[list[int]], w: dict) -> dict:
+    if w["rate"] is None:
+        r = asyncio.run(workers._ours_batch(engine, workers._take(prompts, w["n"]), w["max_new"]))
+        return {"tokens_per_s": r["output_tokens"] / r["wall_s"], "ttft_p50_s": r["ttft_p50_s"]}
+    return asyncio.run(arrivals(engine, prompts, w["rate"], w["n"], w["max_new"]))
+
+
+def tune(model: Path, knob: str, repeats: int, quick: bool, kv_gb: float = 1.0) -> dict:
+    prompts, _ = run.tokenize(model, run.load_prompts())
+    a_setting, b_setting = KNOBS[knob]
+    engines = [make_engine(model, a_setting, kv_gb), make_engine(model, b_setting, kv_gb)]
+    result: dict = {"knob": knob, "a": a_setting, "b": b_setting, "workloads": []}
+    try:
+        for e in engines:
+            asyncio.run(workers._ours_batch(e, prompts[:2], 8))  # warm-up
+        for label, w in workloads(knob, quick):
+            pairs = []
+            for r in range(repeats):
+                order = (0, 1) if r % 2 == 0 else (1, 0)
+                pair: dict = {}
+                for i in order:
+                    pair["ab"[i]] = measure_once(engines[i], prompts, w)
+                pairs.append(pair)
+            entry = {
+                "workload": label,
+                "a_tokens_per_s": median(p["a"]["tokens_per_s"] for p in pairs),
+                "b_tokens_per_s": median(p["b"]["tokens_per_s"] for p in pairs),
+                "b_over_a": median(p["b"]["tokens_per_s"] / p["a"]["tokens_per_s"] for p in pairs),
+                "a_ttft_p50_s": median(p["a"]["ttft_p50_s"] for p in pairs),
+                "b_ttft_p50_s": median(p["b"]["ttft_p50_s"] for p in pairs),
+                "pairs": pairs,
+            }
+            result["workloads"].append(entry)
+            print(
+                f"{knob} {label}: A {entry['a_tokens_per_s']:.1f} tok/s, B {entry['b_tokens_per_s']:.1f} tok/s, "
+                f"B/A {entry['b_over_a']:.3f}; TTFT p50 {1000 * entry['a_ttft_p50_s']:.0f} vs "
+                f"{1000 * entry['b_ttft_p50_s']:.0f} ms",
+                flush=True,
+            )
+    finally:
+        for e in engines:
+            e.shutdown()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__)
+    p.add_argument("model")
+    p.add_argument("--knob", choices=sorted(KNOBS), required=True)
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="64 new tokens per request instead of 128")
+    p.add_argument("--kv-gb", type=float, default=1.0)
+    p.add_argument("--out", help="write the result as JSON here")
+    a = p.parse_args(argv)
+    result = tune(Path(a.model), a.knob, a.repeats, a.quick, a.kv_gb)
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
