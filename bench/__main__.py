@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="the default set for `make bench` (under 15 min here)")
     p.add_argument("--with-4b", action="store_true", help="also the Qwen3-4B shape (long: builds a 4 GB IR once)")
+    p.add_argument("--only-4b", action="store_true", help="the Qwen3-4B shape alone (ours vs genai)")
     p.add_argument("--no-qwen", action="store_true", help="SmolLM2 only")
     p.add_argument("--out", default="bench/results")
     p.add_argument(

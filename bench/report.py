@@ -39,7 +39,8 @@ def write(results: dict, out: Path) -> None:
         "Every engine runs in its own subprocess, one at a time, on the same int8 IR with the same prompt token "
         "ids (the writing-assistant set in `bench/prompts.jsonl`, 21 chat prompts in English and Chinese, "
         "rendered with the model's chat template). N concurrent requests = N prompts submitted at once, "
-        "128 new tokens each with eos ignored; output tokens/s = N x 128 / wall time from submission to the "
+        "128 new tokens each (32 for the Qwen3-4B shape) with eos ignored; output tokens/s = generated tokens / "
+        "wall time from submission to the "
         "last token (prefill included). Equal budgets for ovserve and genai: same KV-cache size, "
         "max_num_seqs 32, max_num_batched_tokens 512, 2 inference threads, prefix caching off for throughput "
         "runs (on for multi-turn), u8 KV cache (both defaults). ovserve and genai alternate order across rounds; "
@@ -52,7 +53,8 @@ def write(results: dict, out: Path) -> None:
             f"## {name}",
             "",
             f"IR `{e['dir']}`, weights {e['weight_bytes'] / 1e6:.0f} MB, "
-            f"mean prompt {e['prompt_tokens_mean']:.0f} tokens, KV cache {e['budget']['kv_cache_gb']} GB, "
+            f"mean prompt {e['prompt_tokens_mean']:.0f} tokens, {e['max_new_tokens']} new tokens per request, "
+            f"KV cache {e['budget']['kv_cache_gb']} GB, "
             f"{len(e['rounds'])} round(s).",
             "",
             "| engine | " + " | ".join(f"c={c}" for c in (1, 8, 32)) + " |",
