@@ -305,7 +305,8 @@ def plots(results: dict, s: dict, out: Path) -> list[Path]:
             ax.set_ylabel("output tokens/s")
             ax.set_title(name)
             ax.grid(alpha=0.3)
-            ax.legend()
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
         fig.tight_layout()
         made.append(out / "throughput_vs_concurrency.png")
         fig.savefig(made[-1], dpi=110)
