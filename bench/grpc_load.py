@@ -130,17 +130,25 @@ def _descend(msg, path):
     return msg
 
 
-def _count_tokens(resp) -> int:
-    """Tokens carried by one streamed response: the length of the first token_ids list found."""
+def _token_ids(resp) -> list[int]:
+    """Token ids carried by one streamed response: the first token_ids list found."""
     stack = [resp]
     while stack:
         m = stack.pop()
         for f, v in m.ListFields():
             if f.name in ("token_ids", "output_token_ids") and _repeated(f):
-                return len(v)
+                return list(v)
             if f.message_type is not None and not _repeated(f):
                 stack.append(v)
-    return 0
+    return []
+
+
+def _cached_tokens(resp) -> int | None:
+    """usage.cached_prompt_tokens of the final response, when the API has it."""
+    for f, v in resp.ListFields():
+        if f.name == "usage" and "cached_prompt_tokens" in f.message_type.fields_by_name:
+            return int(v.cached_prompt_tokens)
+    return None
 
 
 # -- the server process ----------------------------------------------------------------------------
@@ -222,6 +230,9 @@ class Sample:
     sent: float
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival time, tokens)
     status: str = "OK"
+    prompt_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -264,10 +275,15 @@ class Client:
         req = self.api.request_cls()
         self.api.set_prompt_ids(req, ids)
         self.api.set_params(req, max_new)
-        s = Sample(time.perf_counter())
+        s = Sample(time.perf_counter(), prompt_tokens=len(ids))
         try:
             async for resp in self.call(req):
-                s.chunks.append((time.perf_counter(), _count_tokens(resp)))
+                now, new_ids = time.perf_counter(), _token_ids(resp)
+                s.chunks.append((now, len(new_ids)))
+                s.token_ids.extend(new_ids)
+                cached = _cached_tokens(resp)
+                if cached is not None:
+                    s.cached_tokens = cached
         except grpc.aio.AioRpcError as exc:
             s.status = exc.code().name
         return s
@@ -311,6 +327,38 @@ async def poisson(
         tasks.append(asyncio.create_task(client.one(rng.choice(prompts), max_new)))
     samples = await asyncio.gather(*tasks)
     return summarize(list(samples), time.perf_counter() - t0) | {"rate": rate}
+
+
+async def multiturn(client: Client, conversations: list[dict], turns: int, reply_tokens: int) -> dict:
+    """Conversations side by side, each turn sent when the last one's reply is in: turn k's prompt is turn
+    k-1's prompt, its reply and a new user message, so a server with prefix caching reuses the history."""
+    by_turn: dict[int, list[Sample]] = {}
+
+    async def conversation(conv: dict) -> None:
+        prompt = conv["turn1"]
+        for k in range(1, turns + 1):
+            s = await client.one(prompt, reply_tokens)
+            by_turn.setdefault(k, []).append(s)
+            if s.status != "OK":
+                return
+            prompt = prompt + s.token_ids + conv["turn2_suffix"]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(conversation(c) for c in conversations))
+    wall = time.perf_counter() - t0
+    out = []
+    for k, samples in sorted(by_turn.items()):
+        ok = [s for s in samples if s.status == "OK"]
+        cached = [s.cached_tokens for s in ok if s.cached_tokens is not None]
+        out.append(
+            summarize(samples, wall)
+            | {
+                "turn": k,
+                "prompt_tokens_mean": sum(s.prompt_tokens for s in ok) / max(len(ok), 1),
+                "cached_tokens_mean": sum(cached) / len(cached) if cached else None,
+            }
+        )
+    return {"conversations": len(conversations), "reply_tokens": reply_tokens, "turns": out}
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -70,7 +70,8 @@ def write(results: dict, out: Path) -> None:
             if d:
                 lines.append(f"| {label} | " + " | ".join(_f(_get(d, c)) for c in (1, 8, 32)) + " |")
         r = ms.get("ratio_vs_genai", {})
-        lines.append("| **ovserve / genai** | " + " | ".join(f"**{_f(_get(r, c), 2)}x**" for c in (1, 8, 32)) + " |")
+        ratios = (_get(r, c) for c in (1, 8, 32))
+        lines.append("| **ovserve / genai** | " + " | ".join(f"**{x:.2f}x**" if x else "-" for x in ratios) + " |")
         lines += ["", "Output tokens/s; medians over rounds.", ""]
         errs = [f"{k}: {e[k].get('error')}" for k in ("optimum", "hf") if k in e and not e[k].get("ok")]
         for rnd in e["rounds"]:
@@ -89,7 +90,7 @@ def write(results: dict, out: Path) -> None:
                 f"{results['bandwidth_gbps']:.1f} GB/s that caps batch 1 at {ceiling:.0f} tok/s "
                 f"({bw / e['weight_bytes']:.0f} tok/s if the whole {e['weight_bytes'] / 1e6:.0f} MB file "
                 f"were read). ovserve reaches {ours1:.1f} tok/s ({100 * ours1 / ceiling:.0f}% of the cap, "
-                f"128 tokens incl. prefill)" + (f", genai {g1:.1f} ({100 * g1 / ceiling:.0f}%)." if g1 else "."),
+                f"{e['max_new_tokens']} tokens incl. prefill)" + (f", genai {g1:.1f} ({100 * g1 / ceiling:.0f}%)." if g1 else "."),
                 "",
             ]
         busy = _busy(e)
@@ -149,7 +150,7 @@ def _profile(e: dict) -> dict:
                     "execute": t["execute"] / w,
                     "sample": t["sample"] / w,
                     "schedule": (t["schedule"] + t["complete"]) / w,
-                    "other": other / w,
+                    "other": max(0.0, other / w),  # timer overhead can make it a hair negative
                     "idle": max(0.0, 1 - t["step"] / w),
                 }
             )
@@ -233,6 +234,22 @@ def _grpc_md(e: dict) -> list[str]:
         ]
         for r in g["poisson"]:
             lines.append(_load_row(r["rate"], r))
+        lines.append("")
+    mt = g.get("multiturn")
+    if mt:
+        lines += [
+            f"Multi-turn conversations through gRPC: {mt['conversations']} conversations side by side, each turn "
+            f"sent when the previous reply ({mt['reply_tokens']} tokens) is in, prefix caching on (the default):",
+            "",
+            "| turn | prompt tokens | served from cache | TTFT p50 / p95 ms | ITL p50 ms | errors |",
+            "|---|---|---|---|---|---|",
+        ]
+        for t in mt["turns"]:
+            lines.append(
+                f"| {t['turn']} | {t['prompt_tokens_mean']:.0f} | {_f(t['cached_tokens_mean'], 0)} | "
+                f"{_ms(t['ttft_s']['p50'])} / {_ms(t['ttft_s']['p95'])} | {_ms(t['itl_s']['p50'])} | "
+                f"{t['errors'] or 0} |"
+            )
         lines.append("")
     return lines
 

@@ -255,7 +255,8 @@ def run(args) -> dict:
                     progress,
                 )
             # gRPC overhead and load sweeps
-            entry["grpc"] = grpc_suite(path, ids, base, progress, quick)
+            grpc_convs = conversations(tok, prompts, 4, 600)
+            entry["grpc"] = grpc_suite(path, ids, base, progress, quick, grpc_convs)
             entry["tuning"] = tuning_suite(path, progress, quick)
         results["models"][name] = entry
         _save(results, args.out)
@@ -277,7 +278,9 @@ def _smol_gguf() -> Path | None:
     return hits[0] if hits else None
 
 
-def grpc_suite(path: Path, ids: list[list[int]], base: dict, progress: Progress, quick: bool) -> dict:
+def grpc_suite(
+    path: Path, ids: list[list[int]], base: dict, progress: Progress, quick: bool, convs: list[dict]
+) -> dict:
     """The gRPC layer's cost (interleaved A/B against the in-process engine), then the server under load."""
     out: dict = {}
     try:
@@ -293,10 +296,10 @@ def grpc_suite(path: Path, ids: list[list[int]], base: dict, progress: Progress,
     port = grpc_load.free_port()
     b = base["budget"]
     log_path = Path(tempfile.gettempdir()) / f"bench-server-{port}.log"
-    progress.step("gRPC: server up; closed-loop concurrency sweep, Poisson arrivals")
+    progress.step("gRPC: server up; closed-loop concurrency sweep, Poisson arrivals, multi-turn conversations")
     try:
         with grpc_load.server(str(path), port, log_path=log_path, extra=_server_flags(b)):
-            out.update(asyncio.run(_grpc_load(api, port, ids, base["max_new_tokens"], progress, quick)))
+            out.update(asyncio.run(_grpc_load(api, port, ids, base["max_new_tokens"], progress, quick, convs)))
     except Exception as exc:
         progress.note(f"gRPC failed: {exc} (server log: {log_path})")
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -362,7 +365,7 @@ def _server_flags(budget: dict) -> list[str]:
     return flags
 
 
-async def _grpc_load(api, port: int, ids, max_new: int, progress: Progress, quick: bool) -> dict:
+async def _grpc_load(api, port: int, ids, max_new: int, progress: Progress, quick: bool, convs: list[dict]) -> dict:
     client = grpc_load.Client(api, port)
     out: dict = {"closed_loop": [], "poisson": []}
     try:
@@ -382,6 +385,12 @@ async def _grpc_load(api, port: int, ids, max_new: int, progress: Progress, quic
             progress.note(
                 f"poisson {rate}/s: ttft p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])}, "
                 f"itl p50 {_ms(r['itl_s']['p50'])}"
+            )
+        out["multiturn"] = await grpc_load.multiturn(client, convs, turns=3 if quick else 5, reply_tokens=32)
+        for t in out["multiturn"]["turns"]:
+            progress.note(
+                f"multi-turn turn {t['turn']}: ttft p50 {_ms(t['ttft_s']['p50'])}, "
+                f"{t['prompt_tokens_mean']:.0f} prompt tokens, {t['cached_tokens_mean'] or 0:.0f} cached"
             )
     finally:
         await client.close()
