@@ -90,7 +90,8 @@ def write(results: dict, out: Path) -> None:
                 f"{results['bandwidth_gbps']:.1f} GB/s that caps batch 1 at {ceiling:.0f} tok/s "
                 f"({bw / e['weight_bytes']:.0f} tok/s if the whole {e['weight_bytes'] / 1e6:.0f} MB file "
                 f"were read). ovserve reaches {ours1:.1f} tok/s ({100 * ours1 / ceiling:.0f}% of the cap, "
-                f"{e['max_new_tokens']} tokens incl. prefill)" + (f", genai {g1:.1f} ({100 * g1 / ceiling:.0f}%)." if g1 else "."),
+                f"{e['max_new_tokens']} tokens incl. prefill)"
+                + (f", genai {g1:.1f} ({100 * g1 / ceiling:.0f}%)." if g1 else "."),
                 "",
             ]
         busy = _busy(e)
