@@ -23,6 +23,7 @@ class ServerConfig:
     threads: int | None = None
     kv_cache_gb: float = 1.0
     kv_cache_precision: str = "u8"
+    dq_group_size: int | None = None  # None: the CPU plugin's default (32)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -46,6 +47,8 @@ HELP = {
     "threads": "inference threads (default: the CPUs this process may use)",
     "kv_cache_gb": "KV cache budget in GiB",
     "kv_cache_precision": "KV cache element type",
+    "dq_group_size": "activation channels per dynamic-quantization group in int8 matmuls (default: the CPU "
+    "plugin's, 32; 64 measured 5-10%% faster with slightly larger logit error; 0 turns it off)",
     "max_num_seqs": "requests generated together at most",
     "max_num_batched_tokens": "tokens per engine step at most (prompt chunks and decode tokens)",
     "max_model_len": "context limit (default: the model's, capped by what the KV cache holds)",
@@ -117,6 +120,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
+    if args.dq_group_size is not None and args.dq_group_size < 0:
+        p.error("--dq-group-size must be >= 0 (0 turns dynamic quantization off)")
     if args.kv_cache_gb <= 0 or args.drain_grace_seconds < 0 or args.max_queue < 0 or args.batch_window_ms < 0:
         p.error("--kv-cache-gb must be > 0; --drain-grace-seconds, --max-queue, --batch-window-ms >= 0")
     return ServerConfig(**vars(args))

@@ -367,6 +367,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         max_queue=config.max_queue,
         batch_window_ms=config.batch_window_ms,
         kv_cache_precision=config.kv_cache_precision,
+        dynamic_quantization_group_size=config.dq_group_size,
         enable_prefix_caching=config.enable_prefix_caching,
     )
 

@@ -20,6 +20,7 @@ from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, Que
 from service.server import (
     Server,
     authorized,
+    engine_config,
     prompt_token_ids,
     sampling_params,
     start_server,
@@ -194,16 +195,24 @@ def test_config_defaults_env_and_flags():
         "OVSERVE_THREADS": "4",
         "OVSERVE_ENABLE_PREFIX_CACHING": "false",
         "OVSERVE_LOG_FORMAT": "json",
+        "OVSERVE_DQ_GROUP_SIZE": "64",
     }
     config = parse_args(["--max-num-seqs", "8", "--port", "7000"], env=env)
     assert (config.model, config.port, config.kv_cache_gb, config.threads) == ("/models/x", 7000, 2.5, 4)
     assert (config.max_num_seqs, config.enable_prefix_caching, config.log_format) == (8, False, "json")
     assert parse_args(["--enable-prefix-caching"], env=env).enable_prefix_caching
+    assert config.dq_group_size == 64 and engine_config(config).dynamic_quantization_group_size == 64
 
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["--model", "m", "--tls-cert", "c"], ["--model", "m", "--port", "70000"], ["--model", "m", "--threads", "0"]],
+    [
+        [],
+        ["--model", "m", "--tls-cert", "c"],
+        ["--model", "m", "--port", "70000"],
+        ["--model", "m", "--threads", "0"],
+        ["--model", "m", "--dq-group-size", "-1"],
+    ],
 )
 def test_config_errors(argv, capsys):
     with pytest.raises(SystemExit):
