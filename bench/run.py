@@ -293,16 +293,25 @@ def grpc_suite(
         return out
     progress.step("gRPC overhead: server vs in-process engine, interleaved, 1 and 32 streams")
     out["overhead"] = grpc_overhead(path, 4 if quick else 8, progress)
-    port = grpc_load.free_port()
     b = base["budget"]
-    log_path = Path(tempfile.gettempdir()) / f"bench-server-{port}.log"
-    progress.step("gRPC: server up; closed-loop concurrency sweep, Poisson arrivals, multi-turn conversations")
-    try:
-        with grpc_load.server(str(path), port, log_path=log_path, extra=_server_flags(b)):
-            out.update(asyncio.run(_grpc_load(api, port, ids, base["max_new_tokens"], progress, quick, convs)))
-    except Exception as exc:
-        progress.note(f"gRPC failed: {exc} (server log: {log_path})")
-        out["error"] = f"{type(exc).__name__}: {exc}"
+    progress.step("gRPC: closed-loop concurrency sweep and Poisson arrivals (prefix caching off), multi-turn (on)")
+    # Every request of the sweeps must pay for its prompt, as a novel user text would: with only 21 prompts
+    # in the set, a prefix cache would serve the later sweep points from memory.
+    for flags, run_load in (
+        (
+            ["--no-enable-prefix-caching"],
+            lambda port: _grpc_sweeps(api, port, ids, base["max_new_tokens"], progress, quick),
+        ),
+        ([], lambda port: _grpc_multiturn(api, port, convs, progress, quick)),
+    ):
+        port = grpc_load.free_port()
+        log_path = Path(tempfile.gettempdir()) / f"bench-server-{port}.log"
+        try:
+            with grpc_load.server(str(path), port, log_path=log_path, extra=_server_flags(b) + flags):
+                out.update(asyncio.run(run_load(port)))
+        except Exception as exc:
+            progress.note(f"gRPC failed: {exc} (server log: {log_path})")
+            out["error"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -365,7 +374,7 @@ def _server_flags(budget: dict) -> list[str]:
     return flags
 
 
-async def _grpc_load(api, port: int, ids, max_new: int, progress: Progress, quick: bool, convs: list[dict]) -> dict:
+async def _grpc_sweeps(api, port: int, ids, max_new: int, progress: Progress, quick: bool) -> dict:
     client = grpc_load.Client(api, port)
     out: dict = {"closed_loop": [], "poisson": []}
     try:
@@ -386,15 +395,23 @@ async def _grpc_load(api, port: int, ids, max_new: int, progress: Progress, quic
                 f"poisson {rate}/s: ttft p50 {_ms(r['ttft_s']['p50'])} p99 {_ms(r['ttft_s']['p99'])}, "
                 f"itl p50 {_ms(r['itl_s']['p50'])}"
             )
-        out["multiturn"] = await grpc_load.multiturn(client, convs, turns=3 if quick else 5, reply_tokens=32)
-        for t in out["multiturn"]["turns"]:
-            progress.note(
-                f"multi-turn turn {t['turn']}: ttft p50 {_ms(t['ttft_s']['p50'])}, "
-                f"{t['prompt_tokens_mean']:.0f} prompt tokens, {t['cached_tokens_mean'] or 0:.0f} cached"
-            )
     finally:
         await client.close()
     return out
+
+
+async def _grpc_multiturn(api, port: int, convs: list[dict], progress: Progress, quick: bool) -> dict:
+    client = grpc_load.Client(api, port)
+    try:
+        out = await grpc_load.multiturn(client, convs, turns=3 if quick else 5, reply_tokens=32)
+    finally:
+        await client.close()
+    for t in out["turns"]:
+        progress.note(
+            f"multi-turn turn {t['turn']}: ttft p50 {_ms(t['ttft_s']['p50'])}, "
+            f"{t['prompt_tokens_mean']:.0f} prompt tokens, {t['cached_tokens_mean'] or 0:.0f} cached"
+        )
+    return {"multiturn": out}
 
 
 def _ms(x) -> str:
