@@ -265,18 +265,19 @@ def _tuning_md(e: dict) -> list[str]:
         "`python -m bench.tune`: two in-process engines that differ in one setting, loaded side by side, runs "
         "alternating; B/A is the median of per-pair ratios (above 1: B is faster).",
         "",
-        "| knob | A | B | workload | A tok/s | B tok/s | B/A | TTFT p50 A / B ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| knob | A | B | workload | A tok/s | B tok/s | B/A | TTFT p50 A / B ms | ITL p99 A / B ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for knob, r in t.items():
         if not r.get("ok"):
-            lines.append(f"| {knob} | failed: {r.get('error', '')[-120:]} | | | | | | |")
+            lines.append(f"| {knob} | failed: {r.get('error', '')[-120:]} | | | | | | | |")
             continue
         a, b = _setting(r["a"]), _setting(r["b"])
         for w in r["workloads"]:
             lines.append(
                 f"| {knob} | {a} | {b} | {w['workload']} | {_f(w['a_tokens_per_s'])} | {_f(w['b_tokens_per_s'])} | "
-                f"{w['b_over_a']:.2f} | {_ms(w['a_ttft_p50_s'])} / {_ms(w['b_ttft_p50_s'])} |"
+                f"{w['b_over_a']:.2f} | {_ms(w['a_ttft_p50_s'])} / {_ms(w['b_ttft_p50_s'])} | "
+                f"{_ms(w.get('a_itl_p99_s'))} / {_ms(w.get('b_itl_p99_s'))} |"
             )
     lines.append("")
     return lines

@@ -320,7 +320,7 @@ def grpc_overhead(path: Path, repeats: int, progress: Progress) -> dict:
     return _run_module("bench.grpc_ab", [str(path), "--repeats", str(repeats)], progress)
 
 
-TUNING_KNOBS = ("threads", "kv_cache_precision", "dq_group_size", "batch_window_ms")
+TUNING_KNOBS = ("threads", "kv_cache_precision", "dq_group_size", "batch_window_ms", "max_num_batched_tokens")
 
 
 def tuning_suite(path: Path, progress: Progress, quick: bool) -> dict:

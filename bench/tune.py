@@ -8,7 +8,10 @@ median of those is the answer. Knobs:
 - kv_cache_precision: u8 (the default) vs f16 KV cache;
 - dq_group_size: the CPU plugin's default dynamic-quantization group vs 64;
 - batch_window_ms: 0 (the default) vs 10 ms of waiting after an arrival to gather a burst into one step,
-  measured under staggered (Poisson) arrivals, where it could matter, and under a burst.
+  measured under staggered (Poisson) arrivals, where it could matter, and under a burst;
+- max_num_batched_tokens: 512 (the default) vs 128 tokens per step, under Poisson arrivals: a smaller budget
+  splits new prompts into more, shorter chunks, so the streams already decoding wait less between tokens
+  (inter-token latency p99) at some cost in throughput and time to first token.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ KNOBS: dict[str, tuple[dict, dict]] = {
     "kv_cache_precision": ({"kv_cache_precision": "u8"}, {"kv_cache_precision": "f16"}),
     "dq_group_size": ({}, {"dynamic_quantization_group_size": 64}),
     "batch_window_ms": ({"batch_window_ms": 0.0}, {"batch_window_ms": 10.0}),
+    "max_num_batched_tokens": ({"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 128}),
 }
+ARRIVAL_KNOBS = ("batch_window_ms", "max_num_batched_tokens")  # measured under staggered arrivals
 
 
 def make_engine(model: Path, setting: dict, kv_gb: float):
@@ -42,19 +47,27 @@ def make_engine(model: Path, setting: dict, kv_gb: float):
 
 
 async def arrivals(engine, prompts: list[list[int]], rate: float, n: int, max_new: int, seed: int = 0) -> dict:
-    """n requests at Poisson times (rate per second); tokens/s over the whole span and TTFT percentiles."""
+    """n requests at Poisson times (rate per second): tokens/s over the whole span, TTFT and inter-token
+    latency percentiles."""
     from service.core.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     rng = random.Random(seed)
     ttfts: list[float] = []
+    gaps: list[float] = []
 
     async def one(ids: list[int], delay: float) -> int:
         await asyncio.sleep(delay)
         t0, count = time.perf_counter(), 0
+        last = None
         async for out in engine.generate(ids, params):
-            if count == 0 and out.token_ids:
-                ttfts.append(time.perf_counter() - t0)
+            if out.token_ids:
+                now = time.perf_counter()
+                if last is None:
+                    ttfts.append(now - t0)
+                else:
+                    gaps.extend([(now - last) / len(out.token_ids)] * len(out.token_ids))
+                last = now
             count += len(out.token_ids)
         return count
 
@@ -65,21 +78,25 @@ async def arrivals(engine, prompts: list[list[int]], rate: float, n: int, max_ne
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(prompts[i % len(prompts)], d) for i, d in enumerate(delays)))
     wall = time.perf_counter() - t0
-    ttfts.sort()
     return {
         "tokens_per_s": sum(counts) / wall,
-        "ttft_p50_s": ttfts[len(ttfts) // 2],
-        "ttft_p95_s": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p95_s": _pct(ttfts, 0.95),
+        "itl_p50_s": _pct(gaps, 0.5),
+        "itl_p99_s": _pct(gaps, 0.99),
     }
+
+
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 def workloads(knob: str, quick: bool) -> list[tuple[str, dict]]:
     max_new = 64 if quick else 128
-    if knob == "batch_window_ms":
-        return [
-            ("poisson 8 req/s, 16 requests", {"rate": 8.0, "n": 16, "max_new": max_new}),
-            ("burst of 16", {"rate": None, "n": 16, "max_new": max_new}),
-        ]
+    if knob in ARRIVAL_KNOBS:
+        poisson = ("poisson 8 req/s, 16 requests", {"rate": 8.0, "n": 16, "max_new": max_new})
+        return [poisson] if quick else [poisson, ("burst of 16", {"rate": None, "n": 16, "max_new": max_new})]
     return [(f"burst of {c}", {"rate": None, "n": c, "max_new": max_new}) for c in ((1, 32) if quick else (1, 8, 32))]
 
 
@@ -115,6 +132,9 @@ def tune(model: Path, knob: str, repeats: int, quick: bool, kv_gb: float = 1.0) 
                 "b_ttft_p50_s": median(p["b"]["ttft_p50_s"] for p in pairs),
                 "pairs": pairs,
             }
+            if "itl_p99_s" in pairs[0]["a"]:
+                entry["a_itl_p99_s"] = median(p["a"]["itl_p99_s"] for p in pairs)
+                entry["b_itl_p99_s"] = median(p["b"]["itl_p99_s"] for p in pairs)
             result["workloads"].append(entry)
             print(
                 f"{knob} {label}: A {entry['a_tokens_per_s']:.1f} tok/s, B {entry['b_tokens_per_s']:.1f} tok/s, "

@@ -69,5 +69,5 @@ def test_report_shows_grpc_cost_and_tuning_answers(tmp_path: Path):
     report.write(_results(), tmp_path)
     text = (tmp_path / "REPORT.md").read_text()
     assert "| 1 | 100.0 | 97.0 | 0.970 |" in text
-    assert "| threads | num_threads=1 | num_threads=2 | burst of 1 | 50.0 | 60.0 | 1.20 | 100 / 90 |" in text
+    assert "| threads | num_threads=1 | num_threads=2 | burst of 1 | 50.0 | 60.0 | 1.20 | 100 / 90 | - / - |" in text
     assert "dq_group_size | failed: it broke" in text
