@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ids, _ = run.tokenize(Path(a.model), run.load_prompts())
     spec = {
         "model": a.model,
-        "budget": {"kv_cache_gb": a.kv_gb, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2},
+        "budget": workers.BUDGET | {"kv_cache_gb": a.kv_gb},
     }
     engine = workers._our_engine(spec, prefix_caching=False)
     timer = workers._instrument(engine)

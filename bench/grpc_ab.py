@@ -29,19 +29,6 @@ from statistics import median
 
 from bench import grpc_load, run, workers
 
-BUDGET = {"kv_cache_gb": 1.0, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2}
-
-
-def server_flags(budget: dict) -> list[str]:
-    return [
-        f"--kv-cache-gb={budget['kv_cache_gb']}",
-        f"--max-num-seqs={budget['max_num_seqs']}",
-        f"--max-num-batched-tokens={budget['max_num_batched_tokens']}",
-        f"--threads={budget['num_threads']}",
-        "--no-enable-prefix-caching",  # the prompt set repeats at high concurrency: measure compute, not reuse
-        f"--metrics-port={grpc_load.free_port()}",  # metrics on, as in production
-    ]
-
 
 class LoadClient:
     """The load generator in its own low-priority process, driven over its stdin and stdout, one JSON line each."""
@@ -118,14 +105,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(model: Path, concurrency: list[int], repeats: int, max_new: int, idle_client: bool) -> dict:
     ids, _ = run.tokenize(model, run.load_prompts())
-    engine = workers._our_engine({"model": str(model), "budget": BUDGET}, prefix_caching=False)
+    engine = workers._our_engine({"model": str(model), "budget": workers.BUDGET}, prefix_caching=False)
     port = grpc_load.free_port()
     log_path = Path(tempfile.gettempdir()) / f"grpc-ab-server-{port}.log"
-    result: dict = {"model": str(model), "budget": BUDGET, "max_new_tokens": max_new, "runs": {}}
+    result: dict = {"model": str(model), "budget": workers.BUDGET, "max_new_tokens": max_new, "runs": {}}
     result["client_sched_idle"] = idle_client
     try:
         asyncio.run(workers._ours_batch(engine, ids[:2], 8))  # warm-up
-        with grpc_load.server(str(model), port, extra=server_flags(BUDGET), log_path=log_path) as proc:
+        with grpc_load.server(
+            str(model), port, extra=grpc_load.server_flags(workers.BUDGET, prefix_caching=False), log_path=log_path
+        ) as proc:
             client = LoadClient(port, proc.pid, ids, idle_client)
             try:
                 for c in concurrency:

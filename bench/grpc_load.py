@@ -152,6 +152,19 @@ def _cached_tokens(resp) -> int | None:
 
 
 # -- the server process ----------------------------------------------------------------------------
+def server_flags(budget: dict, prefix_caching: bool = True) -> list[str]:
+    """`python -m service` flags giving the server the same budget as an in-process peer."""
+    return [
+        f"--kv-cache-gb={budget['kv_cache_gb']}",
+        f"--max-num-seqs={budget['max_num_seqs']}",
+        f"--max-num-batched-tokens={budget['max_num_batched_tokens']}",
+        f"--threads={budget['num_threads']}",
+        # Off where the prompt set repeats at high concurrency: measure compute, not reuse.
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        f"--metrics-port={free_port()}",  # metrics on, as in production
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -297,17 +297,14 @@ def grpc_suite(
     progress.step("gRPC: closed-loop concurrency sweep and Poisson arrivals (prefix caching off), multi-turn (on)")
     # Every request of the sweeps must pay for its prompt, as a novel user text would: with only 21 prompts
     # in the set, a prefix cache would serve the later sweep points from memory.
-    for flags, run_load in (
-        (
-            ["--no-enable-prefix-caching"],
-            lambda port: _grpc_sweeps(api, port, ids, base["max_new_tokens"], progress, quick),
-        ),
-        ([], lambda port: _grpc_multiturn(api, port, convs, progress, quick)),
+    for prefix_caching, run_load in (
+        (False, lambda port: _grpc_sweeps(api, port, ids, base["max_new_tokens"], progress, quick)),
+        (True, lambda port: _grpc_multiturn(api, port, convs, progress, quick)),
     ):
         port = grpc_load.free_port()
         log_path = Path(tempfile.gettempdir()) / f"bench-server-{port}.log"
         try:
-            with grpc_load.server(str(path), port, log_path=log_path, extra=_server_flags(b) + flags):
+            with grpc_load.server(str(path), port, log_path=log_path, extra=grpc_load.server_flags(b, prefix_caching)):
                 out.update(asyncio.run(run_load(port)))
         except Exception as exc:
             progress.note(f"gRPC failed: {exc} (server log: {log_path})")
@@ -349,29 +346,6 @@ def _run_module(module: str, args: list[str], progress: Progress, timeout: float
             progress.note(f"{module} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
             return {"ok": False, "error": done.stderr[-2000:]}
         return json.loads(out.read_text()) | {"ok": True}
-
-
-def _server_flags(budget: dict) -> list[str]:
-    """Pass the same budget to the server if its command line takes these flags."""
-    try:
-        text = subprocess.run(
-            [sys.executable, "-m", "service", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
-        ).stdout
-    except Exception:
-        return []
-    flags = ["--metrics-port=0"] if "--metrics-port" in text else []
-    for flag, key in (
-        ("--kv-cache-gb", "kv_cache_gb"),
-        ("--max-num-seqs", "max_num_seqs"),
-        ("--max-num-batched-tokens", "max_num_batched_tokens"),
-        ("--num-threads", "num_threads"),
-        ("--threads", "num_threads"),
-    ):
-        if flag in text and not any(f.startswith(flag) for f in flags):
-            flags.append(f"{flag}={budget[key]}")
-    if "--batch-window-ms" in text:
-        flags.append("--batch-window-ms=0")  # the in-process engine runs without a batching window
-    return flags
 
 
 async def _grpc_sweeps(api, port: int, ids, max_new: int, progress: Progress, quick: bool) -> dict:

@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 from statistics import median
 
-from bench import run, workers
+from bench import grpc_load, run, workers
 
-BASE = {"kv_cache_gb": 1.0, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2}
 KNOBS: dict[str, tuple[dict, dict]] = {
     "threads": ({"num_threads": 1}, {"num_threads": 2}),
     "kv_cache_precision": ({"kv_cache_precision": "u8"}, {"kv_cache_precision": "f16"}),
@@ -35,15 +34,6 @@ KNOBS: dict[str, tuple[dict, dict]] = {
     "max_num_batched_tokens": ({"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 128}),
 }
 ARRIVAL_KNOBS = ("batch_window_ms", "max_num_batched_tokens")  # measured under staggered arrivals
-
-
-def make_engine(model: Path, setting: dict, kv_gb: float):
-    from service.engine import Engine, EngineConfig
-
-    config = EngineConfig(**(BASE | {"kv_cache_gb": kv_gb, "enable_prefix_caching": False} | setting))
-    engine = Engine(model, config)
-    engine.start()
-    return engine
 
 
 async def arrivals(engine, prompts: list[list[int]], rate: float, n: int, max_new: int, seed: int = 0) -> dict:
@@ -80,16 +70,11 @@ async def arrivals(engine, prompts: list[list[int]], rate: float, n: int, max_ne
     wall = time.perf_counter() - t0
     return {
         "tokens_per_s": sum(counts) / wall,
-        "ttft_p50_s": _pct(ttfts, 0.5),
-        "ttft_p95_s": _pct(ttfts, 0.95),
-        "itl_p50_s": _pct(gaps, 0.5),
-        "itl_p99_s": _pct(gaps, 0.99),
+        "ttft_p50_s": grpc_load._pct(ttfts, 0.5),
+        "ttft_p95_s": grpc_load._pct(ttfts, 0.95),
+        "itl_p50_s": grpc_load._pct(gaps, 0.5),
+        "itl_p99_s": grpc_load._pct(gaps, 0.99),
     }
-
-
-def _pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 def workloads(knob: str, quick: bool) -> list[tuple[str, dict]]:
@@ -110,7 +95,8 @@ def measure_once(engine, prompts: list[list[int]], w: dict) -> dict:
 def tune(model: Path, knob: str, repeats: int, quick: bool, kv_gb: float = 1.0) -> dict:
     prompts, _ = run.tokenize(model, run.load_prompts())
     a_setting, b_setting = KNOBS[knob]
-    engines = [make_engine(model, a_setting, kv_gb), make_engine(model, b_setting, kv_gb)]
+    spec = {"model": str(model), "budget": workers.BUDGET | {"kv_cache_gb": kv_gb}}
+    engines = [workers._our_engine(spec, prefix_caching=False, settings=s) for s in (a_setting, b_setting)]
     result: dict = {"knob": knob, "a": a_setting, "b": b_setting, "workloads": []}
     try:
         for e in engines:

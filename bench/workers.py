@@ -47,18 +47,23 @@ class _StepTimer:
             self.seconds[k] = 0.0
 
 
-def _our_engine(spec: dict, prefix_caching: bool = True):
+# The budget every peer gets unless a run says otherwise (the server's defaults, 2 threads).
+BUDGET = {"kv_cache_gb": 1.0, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2}
+
+
+def _our_engine(spec: dict, prefix_caching: bool = True, settings: dict | None = None):
+    """The engine with the spec's budget; `settings` are further EngineConfig fields (they win)."""
     from service.engine import Engine, EngineConfig
 
     b = spec["budget"]
-    config = EngineConfig(
-        kv_cache_gb=b["kv_cache_gb"],
-        max_num_seqs=b["max_num_seqs"],
-        max_num_batched_tokens=b["max_num_batched_tokens"],
-        num_threads=b["num_threads"],
-        enable_prefix_caching=prefix_caching,
-    )
-    engine = Engine(spec["model"], config)
+    fields = {
+        "kv_cache_gb": b["kv_cache_gb"],
+        "max_num_seqs": b["max_num_seqs"],
+        "max_num_batched_tokens": b["max_num_batched_tokens"],
+        "num_threads": b["num_threads"],
+        "enable_prefix_caching": prefix_caching,
+    }
+    engine = Engine(spec["model"], EngineConfig(**(fields | (settings or {}))))
     engine.start()
     return engine
 
