@@ -10,13 +10,12 @@ import sys
 from pathlib import Path
 
 from convert.errors import ConvertError
+from convert.isolated import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("nncf", "transformers", "torch", "optimum"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    configure_logging()
     # kill / systemd stop: unwind like Ctrl-C so the temporary folder is removed (SIGKILL is handled at the next run)
     signal.signal(signal.SIGTERM, _interrupt)
     try:

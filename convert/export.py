@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from convert.errors import ConvertError
+from convert.isolated import run_isolated
 
 log = logging.getLogger("convert")
 
@@ -69,11 +70,7 @@ def convert(source: str, output: Path, options: Options, force: bool = False) ->
     except OSError as exc:
         raise _os_error(exc, parent) from exc
     try:
-        hf_dir = _convert_into(source, work, options, identity)
-        from convert.verify import verify
-
-        verify(work, source_dir=hf_dir)
-        shutil.rmtree(work / ".source", ignore_errors=True)
+        run_isolated(_export_and_verify, source, work, options, identity)
         _replace(work, output)
     except OSError as exc:
         raise _os_error(exc, parent) from exc
@@ -130,6 +127,14 @@ def _replace(work: Path, output: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         work.rename(output)
+
+
+def _export_and_verify(source: str, work: Path, options: Options, identity: dict) -> None:
+    hf_dir = _convert_into(source, work, options, identity)
+    from convert.verify import verify
+
+    verify(work, source_dir=hf_dir)
+    shutil.rmtree(work / ".source", ignore_errors=True)
 
 
 def _convert_into(source: str, work: Path, options: Options, identity: dict) -> Path:

@@ -2,6 +2,7 @@
 SIGKILL (no chance to clean up) OUTPUT_DIR is still absent and the next run removes the leftover."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -58,3 +59,29 @@ def test_killed_conversion_leaves_no_model_and_next_run_cleans_up(tiny_qwen3_hf:
     result = run_cli("-m", "convert", str(bad), str(out), check=False)
     assert result.returncode == 2
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_crashed_worker_is_one_line_and_leaves_nothing(tiny_qwen3_hf: Path, tmp_path: Path):
+    """The converting libraries can abort the process they run in (seen: SIGABRT from the OpenVINO front end
+    on Ctrl-C); the export runs in a child, so the CLI reports it and removes the temporary folder."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "convert", str(tiny_qwen3_hf), str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for line in proc.stdout:  # the child logs this once it is exporting
+        if "exporting" in line:
+            break
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert children, "the export does not run in a child process"
+    for child in children:
+        os.kill(int(child), signal.SIGABRT)
+    rest = proc.stdout.read()
+    proc.wait(timeout=60)
+    assert proc.returncode == 2, rest[-2000:]
+    assert rest.strip().splitlines()[-1].startswith("error: the conversion process died of SIGABRT"), rest[-2000:]
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
