@@ -14,7 +14,8 @@ import pytest
 from tests.conftest import ROOT, run_cli
 
 
-def _start_and_interrupt(source: Path, out: Path, sig: int) -> subprocess.Popen:
+def _start_exporting(source: Path, out: Path) -> subprocess.Popen:
+    """A conversion, returned once its export is under way (the line is logged by the worker process)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "convert", str(source), str(out)],
         cwd=ROOT,
@@ -23,9 +24,14 @@ def _start_and_interrupt(source: Path, out: Path, sig: int) -> subprocess.Popen:
         text=True,
     )
     deadline = time.time() + 120
-    for line in proc.stdout:  # wait until the export is under way
+    for line in proc.stdout:
         if "exporting" in line or time.time() > deadline:
             break
+    return proc
+
+
+def _start_and_interrupt(source: Path, out: Path, sig: int) -> subprocess.Popen:
+    proc = _start_exporting(source, out)
     time.sleep(3)
     assert proc.poll() is None, "the conversion ended before it could be interrupted"
     assert list(out.parent.glob(f".{out.name}.*.partial")), "no temporary folder while converting"
@@ -66,16 +72,7 @@ def test_crashed_worker_is_one_line_and_leaves_nothing(tiny_qwen3_hf: Path, tmp_
     """The converting libraries can abort the process they run in (seen: SIGABRT from the OpenVINO front end
     on Ctrl-C); the export runs in a child, so the CLI reports it and removes the temporary folder."""
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "convert", str(tiny_qwen3_hf), str(out)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    for line in proc.stdout:  # the child logs this once it is exporting
-        if "exporting" in line:
-            break
+    proc = _start_exporting(tiny_qwen3_hf, out)
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     assert children, "the export does not run in a child process"
     for child in children:
