@@ -232,8 +232,10 @@ def test_health_loading_serving_draining(tiny_qwen3_ir):
             stream = c.stream(prompt="hi", max_new_tokens=200, ignore_eos=True, timeout=TIMEOUT)
             next(stream)
             draining = asyncio.run_coroutine_threadsafe(running.server.drain(), running.loop)
-            time.sleep(0.2)
-            assert health_status(running.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+            deadline = time.time() + 10  # drain runs on the server's loop; give it a moment to flip health
+            while health_status(running.target) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.time() < deadline, "health still SERVING while draining"
+                time.sleep(0.02)
             with pytest.raises(grpc.RpcError) as err:
                 c.generate(prompt="hi", timeout=TIMEOUT)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
