@@ -80,36 +80,47 @@ def test_running_first_then_waiting_fcfs():
 
 
 def test_preemption_by_recompute_and_resume():
-    s = make(num_blocks=4, budget=64, max_num_seqs=4)  # 16 token slots
+    s = make(num_blocks=5, budget=64, max_num_seqs=4)  # 20 token slots
     a, b = request("a", 7), request("b", 7, start=100)
     s.add(a)
     s.add(b)
-    step(s)  # both prefilled: 2 blocks each, all blocks used
-    for _ in range(1):
-        step(s)  # 8 tokens each: still fits
-    plan = step(s)  # a needs a third block: b (newest) is preempted
+    step(s)  # both prefilled: 2 blocks each, one block left (b was admitted because a could still grow)
+    step(s)  # 8 tokens each: still fits
+    plan = step(s)  # a takes the last block for its 9th token; b needs one too and is preempted
     assert [r.request_id for r in plan.preempted] == ["b"]
     assert b.status is Status.WAITING and b.num_computed_tokens == 0
     assert s.waiting[0] is b
     assert s.num_preemptions == 1
     s.finish(a)
-    plan = s.schedule()  # b resumes: prompt + generated tokens recomputed, its first block from the cache
+    plan = s.schedule()  # b resumes: its two full blocks (prompt + first generated token) from the cache
     chunk = plan.chunks[0]
     assert chunk.request is b and chunk.sample
-    assert (chunk.start, chunk.num_tokens) == (4, b.num_tokens - 4)
+    assert (chunk.start, chunk.num_tokens) == (8, b.num_tokens - 8)
     assert b.num_output_tokens == 2
 
 
 def test_no_admission_in_a_step_that_preempted():
-    s = make(num_blocks=4, budget=64)
-    a, b = request("a", 8), request("b", 7, start=100)
+    s = make(num_blocks=5, budget=64)
+    a, b = request("a", 8), request("b", 8, start=100)
     s.add(a)
     s.add(b)
     step(s)
     s.add(request("c", 1, start=500))
-    plan = step(s)  # a needs a third block: b is preempted, and c must wait
+    plan = step(s)  # a takes the last block, b is preempted, and c must wait although b freed two
     assert plan.preempted
     assert "c" not in [c.request.request_id for c in plan.chunks]
+
+
+def test_admission_leaves_each_running_request_a_block_to_grow_into():
+    s = make(num_blocks=4, budget=64)
+    a, b = request("a", 7), request("b", 7, start=100)
+    s.add(a)
+    s.add(b)
+    plan = step(s)  # b would fit (2 of 4 blocks) but then a's next block would cost b its prefill
+    assert [c.request.request_id for c in plan.chunks] == ["a"]
+    s.finish(a)
+    assert [c.request.request_id for c in step(s).chunks] == ["b"]  # nothing running: all blocks usable
+    assert s.num_preemptions == 0
 
 
 def test_request_that_fits_max_model_len_always_completes():

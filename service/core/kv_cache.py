@@ -72,14 +72,15 @@ class KVCacheManager:
         return hashes
 
     # -- allocation ------------------------------------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None, keep_free: int = 0) -> bool:
         """Make the request's table cover num_tokens tokens, first taking the prefix-hit blocks.
-        Returns False, changing nothing, when the pool cannot supply the new blocks."""
+        Returns False, changing nothing, when the pool cannot supply the new blocks and still keep
+        keep_free blocks free."""
         table = self._tables.get(request_id, [])
         hit_blocks = prefix.blocks if prefix and not table else []
         num_new = self.blocks_needed(num_tokens) - len(table) - len(hit_blocks)
         reusable_free = sum(1 for b in hit_blocks if b.ref_count == 0)
-        if num_new > self.pool.num_free - reusable_free:
+        if num_new > self.pool.num_free - reusable_free - keep_free:
             return False
         if request_id not in self._tables:
             self._tables[request_id] = table

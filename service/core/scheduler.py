@@ -2,7 +2,8 @@
 
 Every request has num_tokens (prompt + generated) and num_computed_tokens; each step shares the token
 budget out, running requests first, then waiting ones in arrival order. A prompt longer than the
-remaining budget is computed in chunks, side by side with other requests' decode tokens. When blocks
+remaining budget is computed in chunks, side by side with other requests' decode tokens. A waiting
+request is admitted only while each running request keeps one free block to grow into. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
 (mostly from the prefix cache).
 """
@@ -113,7 +114,10 @@ class Scheduler:
             request = self.waiting[0]
             prefix = self.kv.find_prefix(request.request_id, request.all_token_ids)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
-            if not self.kv.allocate(request.request_id, prefix.num_tokens + num_new, prefix):
+            # admit only if every running request can still take one more block: otherwise the next
+            # decode step would preempt the newcomer and throw its prefill away
+            keep_free = len(self.running)
+            if not self.kv.allocate(request.request_id, prefix.num_tokens + num_new, prefix, keep_free):
                 break  # wait for blocks to be freed; first come, first served
             self.waiting.popleft()
             request.status = Status.RUNNING
