@@ -154,6 +154,42 @@ def test_deadline_exceeded_frees_blocks(client, server):
     assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
 
 
+def test_mixed_traffic_leaves_nothing_behind(client, server):
+    """Thirty-two requests at once, each finishing its own way: streamed to the end, cancelled after a few
+    messages, cut by a deadline, or refused as invalid. Afterwards every block is free and greedy output
+    is what it was before."""
+    prompts = [f"Note {i}: the weather today" for i in range(4)]
+    expected = {p: client.generate(prompt=p, **GREEDY, timeout=TIMEOUT).text for p in prompts}
+    long = {"prompt": "Tell a very long story.", "max_new_tokens": 1000, "ignore_eos": True}
+
+    def act(i: int) -> str:
+        kind = ("complete", "cancel", "deadline", "invalid")[i % 4]
+        if kind == "complete":
+            p = prompts[i % len(prompts)]
+            assert "".join(c.text for c in client.stream(prompt=p, **GREEDY, timeout=TIMEOUT)) == expected[p]
+        elif kind == "cancel":
+            call = client.stream(**long, timeout=TIMEOUT)
+            for _ in range(1 + i % 5):
+                next(call)
+            call.cancel()
+        else:
+            with pytest.raises(grpc.RpcError) as err:
+                if kind == "deadline":
+                    client.generate(**long, timeout=0.2 + 0.1 * (i % 3))
+                else:
+                    list(client.stream(prompt="hi", top_p=2.0, timeout=TIMEOUT))
+            want = grpc.StatusCode.DEADLINE_EXCEEDED if kind == "deadline" else grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.code() == want
+        return kind
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        kinds = list(pool.map(act, range(32)))
+    assert kinds.count("complete") == 8
+    s = wait_idle(server.engine)
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
+    assert {p: client.generate(prompt=p, **GREEDY, timeout=TIMEOUT).text for p in prompts} == expected
+
+
 BAD_INPUTS = [
     ({"prompt": ""}, "prompt"),
     ({"messages": []}, "messages"),
