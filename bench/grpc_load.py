@@ -289,16 +289,17 @@ class Client:
         self.api.set_prompt_ids(req, ids)
         self.api.set_params(req, max_new)
         s = Sample(time.perf_counter(), prompt_tokens=len(ids))
+        last = None
         try:
-            async for resp in self.call(req):
-                now, new_ids = time.perf_counter(), _token_ids(resp)
+            async for last in self.call(req):
+                now, new_ids = time.perf_counter(), _token_ids(last)
                 s.chunks.append((now, len(new_ids)))
                 s.token_ids.extend(new_ids)
-                cached = _cached_tokens(resp)
-                if cached is not None:
-                    s.cached_tokens = cached
         except grpc.aio.AioRpcError as exc:
             s.status = exc.code().name
+        cached = _cached_tokens(last) if last is not None else None  # usage rides on the final message
+        if cached is not None:
+            s.cached_tokens = cached
         return s
 
 
