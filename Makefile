@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install proto model serve test test-fast lint bench bench-ab bench-4b clean
+.PHONY: install proto model serve test test-fast lint bench bench-ab bench-4b bench-llamacpp clean
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ bench-ab: $(STAMP) $(MODEL)/manifest.json
 # The Qwen3-4B shape alone (builds its 4 GB IR once: ~6 min, ~17 GB peak); its own report folder.
 bench-4b: $(STAMP)
 	$(PY) -m bench --quick --only-4b --out bench/results-4b
+
+# llama.cpp (llama-cpp-python, built from source the first time) against ovserve at one stream, interleaved.
+bench-llamacpp: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q -e '.[llamacpp]'
+	$(PY) -m bench.llamacpp $(MODEL) --out bench/results-llamacpp
 
 clean:
 	rm -rf .venv models/*/ .pytest_cache
