@@ -24,6 +24,7 @@ class ServerConfig:
     kv_cache_gb: float = 1.0
     kv_cache_precision: str = "u8"
     dq_group_size: int | None = None  # None: the CPU plugin's default (32)
+    fast_single_stream: bool = False
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -49,6 +50,8 @@ HELP = {
     "kv_cache_precision": "KV cache element type",
     "dq_group_size": "activation channels per dynamic-quantization group in int8 matmuls (default: the CPU "
     "plugin's, 32; 64 measured 5-10%% faster with slightly larger logit error; 0 turns it off)",
+    "fast_single_stream": "compile a second copy of the model, without dynamic quantization, for steps of one "
+    "token (one stream decoding): faster single-stream decode, a second copy of the weights in memory",
     "max_num_seqs": "requests generated together at most",
     "max_num_batched_tokens": "tokens per engine step at most (prompt chunks and decode tokens)",
     "max_model_len": "context limit (default: the model's, capped by what the KV cache holds)",

@@ -43,6 +43,7 @@ class EngineConfig:
     batch_window_ms: float = 0.0
     kv_cache_precision: str = "u8"
     dynamic_quantization_group_size: int | None = None
+    fast_single_stream: bool = False  # one-token steps on a copy compiled without dynamic quantization
     enable_prefix_caching: bool = True
 
 
@@ -112,6 +113,7 @@ class Engine:
                 num_threads=config.num_threads,
                 kv_cache_precision=config.kv_cache_precision,
                 dynamic_quantization_group_size=config.dynamic_quantization_group_size,
+                single_token_model=config.fast_single_stream,
             ),
         )
         capacity = self.runner.num_blocks * self.runner.block_size

@@ -368,6 +368,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         batch_window_ms=config.batch_window_ms,
         kv_cache_precision=config.kv_cache_precision,
         dynamic_quantization_group_size=config.dq_group_size,
+        fast_single_stream=config.fast_single_stream,
         enable_prefix_caching=config.enable_prefix_caching,
     )
 

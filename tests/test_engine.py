@@ -197,3 +197,53 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
     assert_no_blocks_held(engine)
     tokens, _, _ = run(collect(engine, [5, 6, 7]))
     assert len(tokens) == NEW
+
+
+def test_fast_single_stream_shares_the_kv_cache(tiny_qwen3_fp16_ir, reference):
+    """Prompt chunks run on the main compiled model, one-token steps on the copy: with uncompressed weights
+    (no dynamic quantization either way) the copy must continue exactly from the KV the main one wrote."""
+    config = EngineConfig(
+        kv_cache_gb=0.02, max_num_batched_tokens=64, kv_cache_precision=PRECISION, fast_single_stream=True
+    )
+    fast = Engine(tiny_qwen3_fp16_ir, config)
+    fast.start()
+    try:
+        assert fast.runner.single_token_request is not None
+        ps = prompts(4, seed=11)
+
+        async def main():
+            alone = await collect(fast, ps[0])  # prefill on the main model, then only one-token steps
+            together = await asyncio.gather(*(collect(fast, p, delay=0.05 * i) for i, p in enumerate(ps[1:])))
+            return [alone, *together]
+
+        for p, (tokens, _, _) in zip(ps, run(main()), strict=True):
+            assert tokens == reference.greedy(p, NEW)
+        assert_no_blocks_held(fast)
+    finally:
+        fast.shutdown()
+
+
+def test_fast_single_stream_runs_one_token_steps_without_dynamic_quantization(tiny_qwen3_ir):
+    """With one token per step everything runs on the copy, so the log-probabilities must be those of a
+    model compiled with dynamic quantization off, and (showing the test can tell) not those of the default."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    prompt = prompts(1, seed=5)[0][:20]
+
+    def logprobs(**settings) -> list[float]:
+        e = Engine(tiny_qwen3_ir, EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=1, **settings))
+        e.start()
+        try:
+            return [lp.logprob for lp in run(_all_logprobs(e, prompt, params))]
+        finally:
+            e.shutdown()
+
+    fast = logprobs(fast_single_stream=True)
+    assert fast == logprobs(dynamic_quantization_group_size=0)
+    assert fast != logprobs()
+
+
+async def _all_logprobs(engine: Engine, prompt, params):
+    out = []
+    async for chunk in engine.generate(prompt, params):
+        out += chunk.logprobs
+    return out

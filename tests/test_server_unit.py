@@ -196,12 +196,14 @@ def test_config_defaults_env_and_flags():
         "OVSERVE_ENABLE_PREFIX_CACHING": "false",
         "OVSERVE_LOG_FORMAT": "json",
         "OVSERVE_DQ_GROUP_SIZE": "64",
+        "OVSERVE_FAST_SINGLE_STREAM": "1",
     }
     config = parse_args(["--max-num-seqs", "8", "--port", "7000"], env=env)
     assert (config.model, config.port, config.kv_cache_gb, config.threads) == ("/models/x", 7000, 2.5, 4)
     assert (config.max_num_seqs, config.enable_prefix_caching, config.log_format) == (8, False, "json")
     assert parse_args(["--enable-prefix-caching"], env=env).enable_prefix_caching
     assert config.dq_group_size == 64 and engine_config(config).dynamic_quantization_group_size == 64
+    assert engine_config(config).fast_single_stream and not engine_config(ServerConfig(model="m")).fast_single_stream
 
 
 @pytest.mark.parametrize(
