@@ -56,7 +56,7 @@ bench-4b: $(STAMP)
 # llama.cpp (llama-cpp-python, built from source the first time) against ovserve at one stream, interleaved.
 bench-llamacpp: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q -e '.[llamacpp]'
-	$(PY) -m bench.llamacpp $(MODEL) --out bench/results-llamacpp
+	$(PY) -m bench.llamacpp $(MODEL) --rounds 8 --out bench/results-llamacpp
 
 clean:
 	rm -rf .venv models/*/ .pytest_cache

@@ -1,12 +1,13 @@
-"""python -m bench.llamacpp [MODEL] [--pairs 6]: ovserve vs llama.cpp at one stream, interleaved in one process.
+"""python -m bench.llamacpp [MODEL] [--rounds 6]: ovserve vs llama.cpp at one stream, interleaved in one process.
 
 llama.cpp runs through llama-cpp-python (`make bench-llamacpp` builds it from source: PyPI has no wheel
 for Linux). It runs the GGUF that SmolLM2 ships as (Q4_1, what a llama.cpp user would download) and the same
 weights requantized to Q8_0, the precision of our int8 IR, which was converted from that GGUF. Both get
 the same prompt token ids, 2 threads, greedy decoding without early stop, and no prompt reuse between
-requests. Runs alternate (ovserve, Q4_1, Q8_0, then the next pair) so all three see the same background
-load. llama-cpp-python's Llama holds one sequence at a time, so only one stream is compared: llama.cpp's
-continuous batching lives in its own HTTP server, which the Python package does not build.
+requests. Runs alternate (ovserve, ovserve with --fast-single-stream, Q4_1, Q8_0, then the next round) so
+all see the same background load. llama-cpp-python's Llama holds one sequence at a time, so only one
+stream is compared: llama.cpp's continuous batching lives in its own HTTP server, which the Python package
+does not build.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from statistics import median
 from bench import run, sysinfo, workers
 
 THREADS = 2
+OURS = {  # --ours choices: the name in the report and the engine settings
+    "plain": ("ovserve int8", {}),
+    "fast": ("ovserve int8 --fast-single-stream", {"fast_single_stream": True}),
+}
 
 
 def _quantize_q8(src: Path, dst: Path) -> Path:
@@ -77,9 +82,10 @@ def _ours_run(engine, prompts: list[list[int]], max_new: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__)
     p.add_argument("model", nargs="?", default="models/smollm2-135m-int8", help="our IR of the same GGUF")
-    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--prompts", type=int, default=3, help="prompts per run, one after another")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ours", default="plain,fast", help="ovserve variants, from: " + ", ".join(OURS))
     p.add_argument("--gguf", help="another model's GGUF, the same weights as MODEL (default: SmolLM2's)")
     p.add_argument("--out", default="bench/results-llamacpp")
     a = p.parse_args(argv)
@@ -101,26 +107,31 @@ def main(argv: list[str] | None = None) -> int:
         vocab.tokenize(tok.decode(x, skip_special_tokens=False).encode(), add_bos=False, special=True) == x
         for x in prompts
     )
-    engine = workers._our_engine({"model": a.model, "budget": workers.BUDGET}, prefix_caching=False)
-    runs: dict[str, list[dict]] = {"ovserve int8": [], **{k: [] for k in llamas}}
+    spec = {"model": a.model, "budget": workers.BUDGET}
+    engines = {OURS[v][0]: workers._our_engine(spec, False, OURS[v][1]) for v in a.ours.split(",")}
+    reference = next(iter(engines))
+    runs: dict[str, list[dict]] = {k: [] for k in [*engines, *llamas]}
     try:
-        _ours_run(engine, prompts[:1], 8)  # warm-up, both sides
+        for engine in engines.values():  # warm-up, every engine
+            _ours_run(engine, prompts[:1], 8)
         for llm in llamas.values():
             _llama_run(llm, prompts[:1], 8)
-        for i in range(a.pairs):
-            runs["ovserve int8"].append(_ours_run(engine, prompts, a.max_new_tokens))
+        for i in range(a.rounds):
+            for name, engine in engines.items():
+                runs[name].append(_ours_run(engine, prompts, a.max_new_tokens))
             for name, llm in llamas.items():
                 runs[name].append(_llama_run(llm, prompts, a.max_new_tokens))
             line = ", ".join(f"{k} {v[-1]['tok_s']:.1f}" for k, v in runs.items())
-            print(f"pair {i + 1}/{a.pairs}: {line} tok/s", flush=True)
+            print(f"round {i + 1}/{a.rounds}: {line} tok/s", flush=True)
     finally:
-        engine.shutdown()
-    ours = [r["tok_s"] for r in runs["ovserve int8"]]
+        for engine in engines.values():
+            engine.shutdown()
+    ours = [r["tok_s"] for r in runs[reference]]
     summary = {
         name: {
             "tok_s_median": median(r["tok_s"] for r in rs),
             "ttft_p50_ms": 1000 * median(r["ttft_p50_s"] for r in rs),
-            "ovserve_ratio_median": median(o / r["tok_s"] for o, r in zip(ours, rs, strict=True)),
+            "reference_ratio_median": median(o / r["tok_s"] for o, r in zip(ours, rs, strict=True)),
         }
         for name, rs in runs.items()
     }
@@ -129,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": sysinfo.machine(),
         "versions": sysinfo.versions() | {"llama-cpp-python": importlib.metadata.version("llama-cpp-python")},
         "model": a.model,
+        "reference": reference,
         "gguf": gguf.name + ("" if a.gguf else " (and its Q8_0 requantization)"),
         "same_prompt_tokens": same_ids,
         "prompt_tokens": [len(x) for x in prompts],
@@ -153,15 +165,15 @@ def _report(result: dict) -> str:
         f"openvino {v['openvino']}, llama-cpp-python {v['llama-cpp-python']}.",
         f"Model: {result['model']} (int8 IR) and {result['gguf']}; prompts of "
         f"{result['prompt_tokens']} tokens one after another, {result['max_new_tokens']} new tokens each, greedy; "
-        f"{len(result['runs']['ovserve int8'])} interleaved runs each; llama.cpp's tokenizer gives the same "
+        f"{len(result['runs'][result['reference']])} interleaved rounds; llama.cpp's tokenizer gives the same "
         f"prompt ids: {result['same_prompt_tokens']}.",
         "",
-        "| engine | tok/s (median, prefill included) | first token p50 | ovserve / this (median of pairs) |",
+        f"| engine | tok/s (median, prefill included) | first token p50 | {result['reference']} / this (median) |",
         "|---|---|---|---|",
     ]
     for name, s in result["summary"].items():
         lines.append(
-            f"| {name} | {s['tok_s_median']:.1f} | {s['ttft_p50_ms']:.0f} ms | {s['ovserve_ratio_median']:.2f}x |"
+            f"| {name} | {s['tok_s_median']:.1f} | {s['ttft_p50_ms']:.0f} ms | {s['reference_ratio_median']:.2f}x |"
         )
     return "\n".join(lines) + "\n"
 

@@ -11,7 +11,9 @@ median of those is the answer. Knobs:
   measured under staggered (Poisson) arrivals, where it could matter, and under a burst;
 - max_num_batched_tokens: 512 (the default) vs 128 tokens per step, under Poisson arrivals: a smaller budget
   splits new prompts into more, shorter chunks, so the streams already decoding wait less between tokens
-  (inter-token latency p99) at some cost in throughput and time to first token.
+  (inter-token latency p99) at some cost in throughput and time to first token;
+- fast_single_stream: off (the default) vs a second compiled copy without dynamic quantization for
+  one-token steps (not in `make bench`, to keep it within its time budget).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ KNOBS: dict[str, tuple[dict, dict]] = {
     "dq_group_size": ({}, {"dynamic_quantization_group_size": 64}),
     "batch_window_ms": ({"batch_window_ms": 0.0}, {"batch_window_ms": 10.0}),
     "max_num_batched_tokens": ({"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 128}),
+    "fast_single_stream": ({}, {"fast_single_stream": True}),
 }
 ARRIVAL_KNOBS = ("batch_window_ms", "max_num_batched_tokens")  # measured under staggered arrivals
 
