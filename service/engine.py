@@ -158,6 +158,9 @@ class Engine:
     def start(self) -> None:
         """Warm the model up, then start the engine thread. Returns when ready to serve."""
         self.runner.execute([StepInput([0] * 8, 0, [0], True)])
+        # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
+        # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
+        self.runner.execute([StepInput([0], 8, [0], True)])
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
         self._accepting = True
