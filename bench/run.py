@@ -292,7 +292,7 @@ def grpc_suite(
         progress.step("gRPC: skipped")
         return out
     progress.step("gRPC overhead: server vs in-process engine, interleaved, 1 and 32 streams")
-    out["overhead"] = grpc_overhead(path, 4 if quick else 8, progress)
+    out["overhead"] = grpc_overhead(path, 3 if quick else 8, progress)  # quick: keeps make bench under 15 min
     b = base["budget"]
     progress.step("gRPC: closed-loop concurrency sweep and Poisson arrivals (prefix caching off), multi-turn (on)")
     # Every request of the sweeps must pay for its prompt, as a novel user text would: with only 21 prompts
