@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from statistics import mean, median
 
-from bench import grpc_load, sysinfo
+from bench import grpc_load, sysinfo, workers
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
@@ -199,7 +199,7 @@ def run(args) -> dict:
             progress.note(f"{path} has no IR: skipping {name} (run `make model`)")
             continue
         ids, tok = tokenize(path, prompts)
-        budget = {"kv_cache_gb": kv_gb, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2}
+        budget = workers.BUDGET | {"kv_cache_gb": kv_gb}
         entry: dict = {
             "dir": str(path),
             "budget": budget,

@@ -46,33 +46,25 @@ async def arrivals(engine, prompts: list[list[int]], rate: float, n: int, max_ne
 
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     rng = random.Random(seed)
-    ttfts: list[float] = []
-    gaps: list[float] = []
 
-    async def one(ids: list[int], delay: float) -> int:
+    async def one(ids: list[int], delay: float) -> grpc_load.Sample:
         await asyncio.sleep(delay)
-        t0, count = time.perf_counter(), 0
-        last = None
+        sample = grpc_load.Sample(time.perf_counter())  # the gRPC load generator's bookkeeping, in-process
         async for out in engine.generate(ids, params):
-            if out.token_ids:
-                now = time.perf_counter()
-                if last is None:
-                    ttfts.append(now - t0)
-                else:
-                    gaps.extend([(now - last) / len(out.token_ids)] * len(out.token_ids))
-                last = now
-            count += len(out.token_ids)
-        return count
+            sample.chunks.append((time.perf_counter(), len(out.token_ids)))
+        return sample
 
     delays, t = [], 0.0
     for _ in range(n):
         t += rng.expovariate(rate)
         delays.append(t)
     t0 = time.perf_counter()
-    counts = await asyncio.gather(*(one(prompts[i % len(prompts)], d) for i, d in enumerate(delays)))
+    samples = await asyncio.gather(*(one(prompts[i % len(prompts)], d) for i, d in enumerate(delays)))
     wall = time.perf_counter() - t0
+    ttfts = [s.ttft for s in samples if s.ttft is not None]
+    gaps = [g for s in samples for g in s.itls()]
     return {
-        "tokens_per_s": sum(counts) / wall,
+        "tokens_per_s": sum(s.tokens for s in samples) / wall,
         "ttft_p50_s": grpc_load._pct(ttfts, 0.5),
         "ttft_p95_s": grpc_load._pct(ttfts, 0.95),
         "itl_p50_s": grpc_load._pct(gaps, 0.5),

@@ -22,7 +22,7 @@ def _next_token(request: Request) -> int:
     return hash((request.prompt_token_ids[-1], request.num_tokens)) % 97
 
 
-def _check_tables(s: Scheduler, memory: dict[int, list[int | None]]) -> None:
+def _check_tables(s: Scheduler) -> None:
     refs: dict[int, int] = {}
     for request in s.running:
         for block_id in s.kv.block_ids(request.request_id):
@@ -76,7 +76,7 @@ def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, pre
         plan = s.schedule()
         assert plan.num_tokens <= s.config.max_num_batched_tokens
         assert len(s.running) <= s.config.max_num_seqs
-        _check_tables(s, memory)
+        _check_tables(s)
         for chunk in plan.chunks:
             _run_chunk(chunk, memory)
         s.complete(plan)
