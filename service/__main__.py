@@ -2,7 +2,8 @@
 
 Answers at once (health NOT_SERVING, generation UNAVAILABLE) while the model loads and warms up, then
 SERVING. On SIGTERM or SIGINT: NOT_SERVING, new requests UNAVAILABLE, in-flight requests get
---drain-grace-seconds to finish, then exit 0."""
+--drain-grace-seconds to finish, then exit 0. If the engine thread dies: NOT_SERVING at once, every
+request UNAVAILABLE, exit 1 (so that a supervisor such as Kubernetes restarts the process)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import unicodedata
 
 from service.config import ServerConfig, parse_args
 from service.server import Server
@@ -35,14 +37,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False)
 
 
+def one_line(text: str) -> str:
+    """Control and line-separator characters escaped: text from anywhere cannot start a forged log line."""
+    return "".join(f"\\x{ord(c):02x}" if c < " " or unicodedata.category(c) in ("Cc", "Zl", "Zp") else c for c in text)
+
+
 class TextFormatter(logging.Formatter):
+    """One line per record (a traceback follows on its own lines); message and fields are escaped."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = one_line(record.message)
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
-        fields = " ".join(f"{name}={getattr(record, name)}" for name in RECORD_FIELDS if hasattr(record, name))
+        fields = " ".join(
+            f"{name}={one_line(str(getattr(record, name)))}" for name in RECORD_FIELDS if hasattr(record, name)
+        )
         text = super().format(record)
-        return f"{text} {fields}" if fields else text
+        if not fields:
+            return text
+        first, newline, rest = text.partition("\n")
+        return f"{first} {fields}{newline}{rest}"
 
 
 def setup_logging(log_format: str) -> None:
@@ -60,12 +78,18 @@ async def serve(config: ServerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     load = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    failed = asyncio.create_task(server.engine_failed.wait())
+    await asyncio.wait({load, stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
         log.error("cannot load the model from %s", config.model, exc_info=load.exception())
         await server.drain()
         return 1
-    await stopping
+    await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if failed.done():
+        log.critical("the engine stopped unexpectedly; exiting with status 1")
+        await server.drain(grace_seconds=0)  # nothing in flight can finish
+        logging.shutdown()
+        return 1
     log.info("signal received: draining for up to %.0f s", config.drain_grace_seconds)
     loading = not load.done()
     await server.drain()

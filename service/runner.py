@@ -17,6 +17,8 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
+from service.core.config import EngineConfig
+
 log = logging.getLogger(__name__)
 
 SAMPLED_ROWS = "sampled_rows"
@@ -29,15 +31,6 @@ REQUIRED_INPUTS = (
     "block_indices_begins",
     "block_indices",
 )
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    kv_cache_bytes: int = 1 << 30
-    num_threads: int | None = None  # None: the CPUs this process may use
-    kv_cache_precision: str = "u8"
-    dynamic_quantization_group_size: int | None = None
-    single_token_model: bool = False  # a second compiled copy, without dynamic quantization, for 1-token steps
 
 
 @dataclass(frozen=True)
@@ -63,10 +56,10 @@ def available_cpus() -> int:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, config: RunnerConfig) -> None:
-        self.num_threads = config.num_threads or available_cpus()
+    def __init__(self, ir: Path, config: EngineConfig) -> None:
+        self.num_threads = config.threads or available_cpus()
         core = ov.Core()
-        model = core.read_model(model_dir / "openvino_model.xml")
+        model = core.read_model(ir)
         paged_attention_transformation(model, False, False)
         _gather_before_lm_head(model)
         _check_inputs(model)
@@ -77,8 +70,8 @@ class ModelRunner:
             "PERFORMANCE_HINT": "LATENCY",
             "KV_CACHE_PRECISION": config.kv_cache_precision,
         }
-        if config.dynamic_quantization_group_size is not None:
-            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = config.dynamic_quantization_group_size
+        if config.dq_group_size is not None:
+            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = config.dq_group_size
         self.compiled = core.compile_model(model, "CPU", properties)
         self.request = self.compiled.create_infer_request()
         # Dynamic quantization of activations makes the int8 matmuls fast from two tokens up, but a
@@ -87,21 +80,24 @@ class ModelRunner:
         # so one-token steps can get a copy compiled without it, at the cost of a second copy of the
         # weights in memory. Both share the KV cache tensors.
         self.single_token_request: ov.InferRequest | None = None
-        if config.single_token_model and config.dynamic_quantization_group_size != 0:
+        if config.fast_single_stream and config.dq_group_size != 0:
             single = core.compile_model(model, "CPU", properties | {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
             self.single_token_request = single.create_infer_request()
+        # The usable vocabulary: rows of the logits, which are the embedding's rows
+        self.vocab_size = self.compiled.outputs[0].get_partial_shape()[-1].get_length()
         self.block_size, bytes_per_block = self._cache_layout()
-        self.num_blocks = config.kv_cache_bytes // bytes_per_block
+        budget = int(config.kv_cache_gb * 2**30)
+        self.num_blocks = budget // bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(
-                f"kv cache budget of {config.kv_cache_bytes} bytes holds no block "
+                f"kv cache budget of {budget} bytes holds no block "
                 f"({bytes_per_block} bytes per {self.block_size}-token block)"
             )
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self._allocate_cache()
         log.info(
             "compiled %s: %d threads, %d KV blocks of %d tokens (%.2f GiB)",
-            model_dir,
+            ir,
             self.num_threads,
             self.num_blocks,
             self.block_size,

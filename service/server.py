@@ -1,5 +1,6 @@
-"""The gRPC front end: thin servicers that translate proto <-> domain, one error table, health, reflection,
-bearer auth, TLS and draining. The engine never sees protobuf; this module never sees the model."""
+"""The gRPC front end: thin servicers that translate proto <-> domain (service/wire.py), one error table,
+health, reflection, bearer auth, TLS and draining. The engine never sees protobuf; this module never sees
+the model."""
 
 from __future__ import annotations
 
@@ -8,26 +9,36 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
-from service.api.ovserve.v1 import ovserve_pb2_grpc as pb_grpc
 from service.config import ServerConfig
-from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, Usage
-from service.core.params import SamplingParams
-from service.engine import Engine, EngineConfig, ModelInfo
+from service.core.outputs import RequestOutput
+from service.core.request import check_label
+from service.engine import Engine
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
 from service.metrics import Metrics
-from service.wire import SAMPLING_FIELDS
+from service.wire import (
+    SERVICE_NAME,
+    generation_handler,
+    model_info_pb,
+    parsed,
+    prompt_input,
+    request_label,
+    sampling_params,
+    stream_response,
+    tokenize_ids,
+    unary_response,
+)
 
 log = logging.getLogger("service.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "ovserve.v1.Generation"
 HEALTH_EXEMPT_PREFIX = f"/{health.SERVICE_NAME}/"
 
 # The one table from domain errors to status codes. Anything else (EngineFailure included) is INTERNAL.
@@ -37,12 +48,6 @@ STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     EngineFailure: grpc.StatusCode.INTERNAL,
-}
-
-FINISH_REASON_PB = {
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 
 
@@ -60,145 +65,10 @@ def status_details(exc: BaseException) -> str:
     return f"internal error ({type(exc).__name__}); see the server log"
 
 
-# -- proto -> domain ---------------------------------------------------------------------------------------
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; validation is the engine's."""
-    fields = {name: getattr(request, name) for name in SAMPLING_FIELDS if request.HasField(name)}
-    return SamplingParams(**fields, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids))
-
-
-def chat_messages(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
-
-
-def encode_chat(tokenizer, messages: Sequence[pb.ChatMessage]) -> list[int]:
-    if not messages:
-        raise InvalidArgument("messages", "must contain at least one message")
-    return tokenizer.encode_chat(chat_messages(messages))
-
-
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    if not prompt:
-        raise InvalidArgument("prompt", "must not be empty")
-    return tokenizer.encode(prompt)
-
-
-def prompt_token_ids(tokenizer, request: pb.GenerateRequest) -> list[int]:
-    """The request's one input, as token ids. Ranges of the ids and the prompt length are the engine's checks."""
-    given = [
-        name
-        for name, present in (
-            ("messages", len(request.messages) > 0),
-            ("prompt", request.HasField("prompt")),
-            ("prompt_token_ids", len(request.prompt_token_ids) > 0),
-        )
-        if present
-    ]
-    if len(given) > 1:
-        raise InvalidArgument("input", f"set exactly one of messages, prompt or prompt_token_ids, got {given}")
-    if not given:
-        raise InvalidArgument(
-            "input", "set exactly one of messages, prompt or prompt_token_ids (messages and ids must be non-empty)"
-        )
-    if given[0] == "messages":
-        return encode_chat(tokenizer, request.messages)
-    if given[0] == "prompt":
-        return encode_prompt(tokenizer, request.prompt)
-    return list(request.prompt_token_ids)
-
-
-def tokenize_ids(tokenizer, request: pb.TokenizeRequest) -> list[int]:
-    if request.HasField("text") and request.messages:
-        raise InvalidArgument("input", "set text or messages, not both")
-    if request.messages:
-        return encode_chat(tokenizer, request.messages)
-    if request.HasField("text"):
-        return encode_prompt(tokenizer, request.text)
-    raise InvalidArgument("input", "set text or messages")
-
-
-# -- domain -> proto ---------------------------------------------------------------------------------------
-def usage_pb(usage: Usage) -> pb.Usage:
-    return pb.Usage(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        cached_prompt_tokens=usage.cached_prompt_tokens,
-    )
-
-
-def timings_pb(t: Timings) -> pb.Timings:
-    return pb.Timings(
-        queue_seconds=t.queue, time_to_first_token_seconds=t.ttft, total_seconds=t.total, decode_seconds=t.decode
-    )
-
-
-def logprobs_pb(logprobs: Iterable[TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [
-        pb.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top_token_ids=[t for t, _ in lp.top],
-            top_logprobs=[v for _, v in lp.top],
-        )
-        for lp in logprobs
-    ]
-
-
-def final_fields(out: RequestOutput) -> dict:
-    """finish_reason, usage and timings of the last output; nothing for the others."""
-    if out.finish_reason is None:
-        return {}
-    if out.finish_reason is FinishReason.ERROR:
-        raise EngineFailure("the engine failed this request")
-    fields: dict = {"finish_reason": FINISH_REASON_PB[out.finish_reason]}
-    if out.usage is not None:
-        fields["usage"] = usage_pb(out.usage)
-    if out.timings is not None:
-        fields["timings"] = timings_pb(out.timings)
-    return fields
-
-
-def stream_response(out: RequestOutput) -> pb.GenerateStreamResponse:
-    return pb.GenerateStreamResponse(
-        request_id=out.request_id,
-        text=out.text,
-        token_ids=out.token_ids,
-        logprobs=logprobs_pb(out.logprobs),
-        **final_fields(out),
-    )
-
-
-def unary_response(outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
-    """All outputs of one request joined: the text and ids concatenated, the final fields from the last."""
-    last = outputs[-1]
-    return pb.GenerateResponse(
-        request_id=last.request_id,
-        text="".join(o.text for o in outputs),
-        token_ids=[t for o in outputs for t in o.token_ids],
-        logprobs=logprobs_pb(lp for o in outputs for lp in o.logprobs),
-        **final_fields(last),
-    )
-
-
-def model_info_pb(info: ModelInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        model_id=info.model_id,
-        max_model_len=info.max_model_len,
-        max_new_tokens_limit=info.max_new_tokens_limit,
-        eos_token_ids=info.eos_token_ids,
-        vocab_size=info.vocab_size,
-        num_threads=info.num_threads,
-        kv_cache_bytes=info.kv_cache_bytes,
-        num_kv_blocks=info.num_kv_blocks,
-        block_size=info.block_size,
-        max_num_seqs=info.max_num_seqs,
-        max_num_batched_tokens=info.max_num_batched_tokens,
-    )
-
-
 # -- servicers ---------------------------------------------------------------------------------------------
 class ServerState:
-    """Lifecycle shared by the servicers: loading (no engine) -> serving -> draining."""
+    """Lifecycle shared by the servicers: loading (no engine) -> serving -> draining, or failed when the
+    engine thread died."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.engine: Engine | None = None
@@ -212,6 +82,8 @@ class ServerState:
             raise Unavailable("the server is draining; retry on another replica")
         if self.engine is None:
             raise Unavailable("the model is still loading; retry shortly")
+        if not self.engine.alive:
+            raise Unavailable("the engine has stopped; retry on another replica")
         return self.engine
 
     async def set_serving(self, serving: bool) -> None:
@@ -220,56 +92,60 @@ class ServerState:
             await self.health.set(name, status)
 
 
-class GenerationServicer(pb_grpc.GenerationServicer):
+class GenerationServicer:
+    """ovserve.v1.Generation. Requests arrive as parsed messages or as wire.Malformed (see generation_handler)."""
+
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def Generate(self, request, context):  # noqa: N802 (gRPC method names)
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:  # noqa: N802
         outputs = [out async for out in self._generate("Generate", request, context)]
         return unary_response(outputs)
 
-    async def GenerateStream(self, request, context):  # noqa: N802
+    async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext):  # noqa: N802
         async for out in self._generate("GenerateStream", request, context):
             yield stream_response(out)
 
-    async def Tokenize(self, request, context):  # noqa: N802
-        async with self._rpc("Tokenize", context):
-            ids = tokenize_ids(self.state.require_engine().tokenizer, request)
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
+        async with _Rpc(self.state.metrics, "Tokenize", context):
+            ids = tokenize_ids(self.state.require_engine().tokenizer, parsed(request))
         return pb.TokenizeResponse(token_ids=ids)
 
-    async def GetModelInfo(self, request, context):  # noqa: N802
-        async with self._rpc("GetModelInfo", context):
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfo:  # noqa: N802
+        async with _Rpc(self.state.metrics, "GetModelInfo", context):
+            parsed(request)
             info = self.state.require_engine().info
         return model_info_pb(info)
 
-    def _rpc(self, rpc: str, context) -> _Rpc:
-        return _Rpc(self.state.metrics, rpc, context)
-
-    async def _generate(self, rpc: str, request, context) -> AsyncIterator[RequestOutput]:
+    async def _generate(
+        self, rpc: str, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[RequestOutput]:
         """Runs one request on the engine. A client cancel or an expired deadline arrives as CancelledError
         while awaiting the engine; leaving the `async for` closes the engine's stream, which aborts the
         request and frees its KV blocks."""
         state = self.state
-        request_id = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         started = time.monotonic()
         state.num_in_flight += 1
         try:
-            async with _Rpc(state.metrics, rpc, context, request_id) as call:
+            async with _Rpc(state.metrics, rpc, context) as call:
+                request = parsed(request)
+                label = request_label(request)
+                if label is not None:
+                    check_label(label)  # before it is logged
+                call.request_id = label = label or uuid.uuid4().hex
                 engine = state.require_engine()
-                ids = prompt_token_ids(engine.tokenizer, request)
+                ids, field = prompt_input(engine.tokenizer, request)
                 params = sampling_params(request)
                 last_token = None
-                stream = engine.generate(ids, params, request_id, context.time_remaining())
+                stream = engine.generate(ids, params, label, context.time_remaining(), prompt_field=field)
                 try:
                     async for out in stream:
                         if out.token_ids:
                             now = time.monotonic()
                             state.metrics.observe_token(now - (last_token or started), first=last_token is None)
                             last_token = now
-                        if out.finish_reason is FinishReason.ERROR:
-                            raise EngineFailure("the engine failed this request")
                         if out.finished:
-                            call.finished(out)
+                            call.output = out
                         yield out
                 finally:
                     await stream.aclose()
@@ -280,36 +156,40 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 class _Rpc:
     """One RPC's bookkeeping: status code metric, a log line, and domain errors turned into statuses."""
 
-    def __init__(self, metrics: Metrics, rpc: str, context, request_id: str | None = None) -> None:
-        self.metrics, self.rpc, self.context, self.request_id = metrics, rpc, context, request_id
+    def __init__(self, metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext) -> None:
+        self.metrics, self.rpc, self.context = metrics, rpc, context
+        self.request_id: str | None = None  # set once validated: only then may it reach the log
         self.started = time.monotonic()
         self.output: RequestOutput | None = None
-
-    def finished(self, out: RequestOutput) -> None:
-        self.output = out
 
     async def __aenter__(self) -> _Rpc:
         return self
 
-    async def __aexit__(self, kind, exc, tb) -> bool:
+    async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
         seconds = time.monotonic() - self.started
         if exc is None:
             code = grpc.StatusCode.OK
         elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
-            code = grpc.StatusCode.CANCELLED  # the client went away or its deadline passed: re-raised below
+            code = self._why_cancelled()  # the client went away or its deadline passed: re-raised below
         else:
             code = status_of(exc)
         self.metrics.observe_rpc(self.rpc, code.name, seconds, self.output)
         self._log(code, seconds, exc)
-        if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+        if code is grpc.StatusCode.OK or isinstance(exc, asyncio.CancelledError | GeneratorExit):
             return False
         await self.context.abort(code, status_details(exc))  # raises: ends the RPC with this status
         return False
 
+    def _why_cancelled(self) -> grpc.StatusCode:
+        remaining = self.context.time_remaining()
+        if remaining is not None and remaining <= 0.001:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+
     def _log(self, code: grpc.StatusCode, seconds: float, exc: BaseException | None) -> None:
         if self.request_id is None and code is grpc.StatusCode.OK:
             return
-        extra: dict = {"rpc": self.rpc, "code": code.name, "seconds": round(seconds, 4)}
+        extra: dict[str, Any] = {"rpc": self.rpc, "code": code.name, "seconds": round(seconds, 4)}
         if self.request_id is not None:
             extra["request_id"] = self.request_id
         if self.output is not None and self.output.usage is not None:
@@ -318,7 +198,7 @@ class _Rpc:
             extra["cached_prompt_tokens"] = self.output.usage.cached_prompt_tokens
         if code is grpc.StatusCode.INTERNAL:
             log.error("request failed", extra=extra, exc_info=exc)
-        elif exc is not None and code is not grpc.StatusCode.CANCELLED:
+        elif exc is not None and code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
             log.info("request refused: %s", status_details(exc), extra=extra)
         else:
             log.info("request done", extra=extra)
@@ -357,28 +237,13 @@ class BearerAuth(grpc.aio.ServerInterceptor):
 
 
 # -- the server --------------------------------------------------------------------------------------------
-def engine_config(config: ServerConfig) -> EngineConfig:
-    return EngineConfig(
-        kv_cache_gb=config.kv_cache_gb,
-        num_threads=config.threads,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len,
-        max_queue=config.max_queue,
-        batch_window_ms=config.batch_window_ms,
-        kv_cache_precision=config.kv_cache_precision,
-        dynamic_quantization_group_size=config.dq_group_size,
-        fast_single_stream=config.fast_single_stream,
-        enable_prefix_caching=config.enable_prefix_caching,
-    )
-
-
 class Server:
     """A grpc.aio server around one engine. start() answers at once (health NOT_SERVING, generation
     UNAVAILABLE); attach() or load() make it SERVING; drain() takes it down gracefully."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.engine_failed = asyncio.Event()  # set when the engine thread died: the process must exit non-zero
         self.metrics = Metrics()
         self.state = ServerState(self.metrics)
         options = [
@@ -389,7 +254,7 @@ class Server:
         ]
         interceptors = [BearerAuth(Path(config.auth_token_file).read_text().strip())] if config.auth_token_file else []
         self.grpc = grpc.aio.server(options=options, interceptors=interceptors)
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.state), self.grpc)
+        self.grpc.add_generic_rpc_handlers((generation_handler(GenerationServicer(self.state)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.state.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         address = f"{config.host}:{config.port}"
@@ -414,10 +279,14 @@ class Server:
 
     async def attach(self, engine: Engine, started: bool = False) -> None:
         """Start (warm up) the engine off the event loop unless it already is, then report SERVING."""
+        loop = asyncio.get_running_loop()
+        engine.on_death(lambda: loop.call_soon_threadsafe(self._engine_died))
         if not started:
             await asyncio.to_thread(engine.start)
         self.state.engine = engine
         self.metrics.attach(engine)
+        if not engine.alive:
+            raise RuntimeError("the engine stopped while starting")
         await self.state.set_serving(True)
         info = engine.info
         log.info(
@@ -429,18 +298,25 @@ class Server:
             info.block_size,
         )
 
+    def _engine_died(self) -> None:
+        """On the loop, at once: NOT_SERVING for probes and load balancers, and tell serve() to exit."""
+        log.critical("the engine stopped; reporting NOT_SERVING")
+        self.engine_failed.set()
+        self._not_serving = asyncio.get_running_loop().create_task(self.state.set_serving(False))
+
     async def load(self) -> None:
         """Load the model named by the config (blocking work in a thread), then attach it."""
-        engine = await asyncio.to_thread(Engine, self.config.model, engine_config(self.config))
+        engine = await asyncio.to_thread(Engine, self.config.model, self.config.engine)
         await self.attach(engine)
 
-    async def drain(self) -> None:
+    async def drain(self, grace_seconds: float | None = None) -> None:
         """Refuse new requests (UNAVAILABLE), report NOT_SERVING, let in-flight requests finish within the
-        drain grace period, then stop the gRPC server and the engine."""
+        grace period (default: the configured one), then stop the gRPC server and the engine."""
         state = self.state
         state.draining = True
         await state.health.enter_graceful_shutdown()
-        deadline = time.monotonic() + self.config.drain_grace_seconds
+        grace = self.config.drain_grace_seconds if grace_seconds is None else grace_seconds
+        deadline = time.monotonic() + grace
         while state.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if state.num_in_flight:

@@ -11,28 +11,34 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from service.errors import InvalidArgument
+from service.model_files import read_json
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, model_dir: Path) -> None:
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # The same vocabulary, but special-token strings in the input are plain text: for message contents.
+        self._plain = HFTokenizer.from_str(self._tok.to_str())
+        self._plain.encode_special_tokens = True
+        added = self._tok.get_added_tokens_decoder()
+        self._special_texts = tuple(t.content for t in added.values() if t.special)
+        self.max_token_id = max([self._tok.get_vocab_size(with_added_tokens=False) - 1, *added])
         config = read_json(model_dir / "tokenizer_config.json")
         template_file = model_dir / "chat_template.jinja"
         template = template_file.read_text() if template_file.exists() else config.get("chat_template")
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         self._template = _compile_template(template) if template else None
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # Chat templates usually write the BOS token themselves; raw prompts get what the tokenizer adds.
         self._template_has_bos = bool(template and "bos_token" in template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Raw text: special-token strings in it become those tokens (the caller writes the whole prompt)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -51,8 +57,27 @@ class Tokenizer:
         return self._template.render(messages=list(messages), add_generation_prompt=True, **self._special)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of the rendered conversation. Special tokens come from the template only: a message
+        whose content spells one (say `<|im_end|>`) gets it as plain text, so no message can end its turn
+        early or open a turn of another role."""
+        text = self.apply_chat_template(messages)
         # The template already placed any BOS token, so the tokenizer must not add another.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=not self._template_has_bos)
+        add_bos = not self._template_has_bos
+        spelled = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self._special_texts)]
+        if not spelled:
+            return self.encode(text, add_special_tokens=add_bos)
+        ids: list[int] = []
+        cursor = 0
+        for i in spelled:
+            content = messages[i]["content"]
+            at = text.find(content, cursor)
+            if at < 0:  # the template rewrote this content: it cannot be kept apart from the template's tokens
+                special = next(s for s in self._special_texts if s in content)
+                raise InvalidArgument(f"messages[{i}].content", f"must not contain the special token {special!r}")
+            ids += self._tok.encode(text[cursor:at], add_special_tokens=add_bos and not ids).ids
+            ids += self._plain.encode(content, add_special_tokens=False).ids
+            cursor = at + len(content)
+        return ids + list(self._tok.encode(text[cursor:], add_special_tokens=False).ids)
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -70,7 +95,3 @@ def _token_text(value: object) -> str:
     if isinstance(value, dict):
         return str(value.get("content", ""))
     return "" if value is None else str(value)
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}

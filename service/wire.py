@@ -1,6 +1,25 @@
-"""Facts about the wire format shared by the server and the client, read off the generated descriptors."""
+"""Translation between the wire format (ovserve.v1 protobuf) and the domain types, in both directions.
+
+The servicers in service/server.py call these and nothing else touches protobuf messages; the engine
+never sees them. The client (service/client.py) reads SAMPLING_FIELDS from here too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
+from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, Usage
+from service.core.params import SamplingParams
+from service.core.stats import ModelInfo
+from service.errors import InvalidArgument
+from service.tokenizer import Tokenizer
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
+SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
 _NOT_OPTIONS = ("request_id", "prompt")
 
@@ -9,3 +28,193 @@ _NOT_OPTIONS = ("request_id", "prompt")
 SAMPLING_FIELDS = tuple(
     f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.has_presence and f.name not in _NOT_OPTIONS
 )
+
+FINISH_REASON_PB = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+# -- bytes -> proto: a body that does not parse is the client's error, not UNKNOWN -------------------------
+class Malformed:
+    """Stands in for a request body that failed to deserialize; the servicer turns it into INVALID_ARGUMENT."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type, self.error = message_type, error
+
+    def invalid_argument(self) -> InvalidArgument:
+        reason = str(self.error).rsplit(": ", 1)[-1] or "the bytes do not parse"
+        return InvalidArgument("request", f"not a valid {self.message_type} message ({reason})")
+
+
+def _lenient(message: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    def parse(data: bytes) -> Message | Malformed:
+        try:
+            return message.FromString(data)
+        except DecodeError as exc:
+            return Malformed(message.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+def generation_handler(servicer: Any) -> grpc.GenericRpcHandler:
+    """The Generation service's handlers, like the generated add_GenerationServicer_to_server, except that a
+    body that does not deserialize reaches the servicer as a Malformed instead of failing with UNKNOWN."""
+    handlers = {}
+    for method in SERVICE.methods:
+        request_type = pb.DESCRIPTOR.message_types_by_name[method.input_type.name]
+        response_type = pb.DESCRIPTOR.message_types_by_name[method.output_type.name]
+        kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(getattr(pb, request_type.name)),
+            response_serializer=getattr(pb, response_type.name).SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def parsed(request: Any) -> Any:
+    """The request itself, or InvalidArgument raised for a body that did not deserialize."""
+    if isinstance(request, Malformed):
+        raise request.invalid_argument()
+    return request
+
+
+# -- proto -> domain ---------------------------------------------------------------------------------------
+def request_label(request: pb.GenerateRequest) -> str | None:
+    return request.request_id if request.HasField("request_id") else None
+
+
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    """Unset optional fields keep SamplingParams' defaults; validation is the engine's."""
+    fields = {name: getattr(request, name) for name in SAMPLING_FIELDS if request.HasField(name)}
+    return SamplingParams(**fields, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids))
+
+
+def chat_messages(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[pb.ChatMessage]) -> list[int]:
+    if not messages:
+        raise InvalidArgument("messages", "must contain at least one message")
+    return tokenizer.encode_chat(chat_messages(messages))
+
+
+def encode_text(tokenizer: Tokenizer, text: str, field: str) -> list[int]:
+    if not text:
+        raise InvalidArgument(field, "must not be empty")
+    return tokenizer.encode(text)
+
+
+def prompt_input(tokenizer: Tokenizer, request: pb.GenerateRequest) -> tuple[list[int], str]:
+    """The request's one input as token ids, and the name of the field it came from (for errors).
+    Ranges of the ids and the prompt length are the engine's checks."""
+    given = [
+        name
+        for name, present in (
+            ("messages", len(request.messages) > 0),
+            ("prompt", request.HasField("prompt")),
+            ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+        )
+        if present
+    ]
+    if len(given) > 1:
+        raise InvalidArgument("input", f"set exactly one of messages, prompt or prompt_token_ids, got {given}")
+    if not given:
+        raise InvalidArgument(
+            "input", "set exactly one of messages, prompt or prompt_token_ids (messages and ids must be non-empty)"
+        )
+    if given[0] == "messages":
+        return encode_chat(tokenizer, request.messages), "messages"
+    if given[0] == "prompt":
+        return encode_text(tokenizer, request.prompt, "prompt"), "prompt"
+    return list(request.prompt_token_ids), "prompt_token_ids"
+
+
+def tokenize_ids(tokenizer: Tokenizer, request: pb.TokenizeRequest) -> list[int]:
+    if request.HasField("text") and request.messages:
+        raise InvalidArgument("input", "set text or messages, not both")
+    if request.messages:
+        return encode_chat(tokenizer, request.messages)
+    if request.HasField("text"):
+        return encode_text(tokenizer, request.text, "text")
+    raise InvalidArgument("input", "set text or messages")
+
+
+# -- domain -> proto ---------------------------------------------------------------------------------------
+def usage_pb(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+    )
+
+
+def timings_pb(t: Timings) -> pb.Timings:
+    return pb.Timings(
+        queue_seconds=t.queue, time_to_first_token_seconds=t.ttft, total_seconds=t.total, decode_seconds=t.decode
+    )
+
+
+def logprobs_pb(logprobs: Iterable[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_token_ids=[t for t, _ in lp.top],
+            top_logprobs=[v for _, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
+def final_fields(out: RequestOutput) -> dict[str, Any]:
+    """finish_reason, usage and timings of the last output; nothing for the others."""
+    if out.finish_reason is None:
+        return {}
+    fields: dict[str, Any] = {"finish_reason": FINISH_REASON_PB[out.finish_reason]}
+    if out.usage is not None:
+        fields["usage"] = usage_pb(out.usage)
+    if out.timings is not None:
+        fields["timings"] = timings_pb(out.timings)
+    return fields
+
+
+def stream_response(out: RequestOutput) -> pb.GenerateStreamResponse:
+    return pb.GenerateStreamResponse(
+        request_id=out.request_id,
+        text=out.text,
+        token_ids=out.token_ids,
+        logprobs=logprobs_pb(out.logprobs),
+        **final_fields(out),
+    )
+
+
+def unary_response(outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
+    """All outputs of one request joined: the text and ids concatenated, the final fields from the last."""
+    last = outputs[-1]
+    return pb.GenerateResponse(
+        request_id=last.request_id,
+        text="".join(o.text for o in outputs),
+        token_ids=[t for o in outputs for t in o.token_ids],
+        logprobs=logprobs_pb(lp for o in outputs for lp in o.logprobs),
+        **final_fields(last),
+    )
+
+
+def model_info_pb(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model_id=info.model_id,
+        max_model_len=info.max_model_len,
+        max_new_tokens_limit=info.max_new_tokens_limit,
+        eos_token_ids=info.eos_token_ids,
+        vocab_size=info.vocab_size,
+        num_threads=info.num_threads,
+        kv_cache_bytes=info.kv_cache_bytes,
+        num_kv_blocks=info.num_kv_blocks,
+        block_size=info.block_size,
+        max_num_seqs=info.max_num_seqs,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+    )

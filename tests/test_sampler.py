@@ -106,7 +106,7 @@ def test_logprobs_top_n():
 )
 def test_invalid_params_name_the_field(field, kw):
     with pytest.raises(InvalidArgument) as err:
-        SamplingParams(**kw).validate(max_new_tokens_limit=4096)
+        SamplingParams(**kw).validate(max_new_tokens_limit=4096, vocab_size=1000)
     assert err.value.field == field
     assert field in str(err.value)
 

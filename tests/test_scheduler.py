@@ -1,32 +1,34 @@
 """Scheduler: continuous batching, chunked prefill, preemption and abort, without any model."""
 
+import itertools
 import random
 import time
 
+from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.params import SamplingParams
 from service.core.request import Request, Status
-from service.core.scheduler import Scheduler, SchedulerConfig
+from service.core.scheduler import Scheduler
 
 BS = 4
 
 
 def make(num_blocks=64, max_num_seqs=4, budget=16, max_model_len=256, prefix=True):
     kv = KVCacheManager(num_blocks, BS, prefix)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), kv)
+    return Scheduler(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv, max_model_len)
 
 
-def request(rid: str, n: int, start: int = 0, **kw) -> Request:
-    return Request(rid, list(range(start, start + n)), SamplingParams(**kw))
+IDS = itertools.count()
+
+
+def request(label: str, n: int, start: int = 0, **kw) -> Request:
+    return Request(next(IDS), list(range(start, start + n)), SamplingParams(**kw), label=label)
 
 
 def step(s: Scheduler, sampled_token: int = 7):
-    """Plan a step, 'run' it, and append a token to each request that reached its end."""
+    """Plan a step, 'run' it, and give a token to each request that reached its end."""
     plan = s.schedule()
-    s.complete(plan)
-    for c in plan.chunks:
-        if c.sample:
-            c.request.append_token(sampled_token)
+    s.update(plan, [[sampled_token] for _ in plan.sampled])
     return plan
 
 
@@ -47,7 +49,7 @@ def test_prefill_chunks_mix_with_decode_tokens():
     step(s)
     s.add(request("b", 40, start=100))
     plan = step(s)
-    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 15)]
+    assert [(c.request.label, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 15)]
 
 
 def test_budget_and_max_num_seqs_never_exceeded():
@@ -73,10 +75,10 @@ def test_running_first_then_waiting_fcfs():
     for rid in "abc":
         s.add(request(rid, 4, start=ord(rid) * 100))
     plan = step(s)
-    assert [c.request.request_id for c in plan.chunks] == ["a", "b"]
+    assert [c.request.label for c in plan.chunks] == ["a", "b"]
     s.finish(s.running[0])
     plan = step(s)
-    assert [c.request.request_id for c in plan.chunks] == ["b", "c"]
+    assert [c.request.label for c in plan.chunks] == ["b", "c"]
 
 
 def test_preemption_by_recompute_and_resume():
@@ -87,7 +89,7 @@ def test_preemption_by_recompute_and_resume():
     step(s)  # both prefilled: 2 blocks each, one block left (b was admitted because a could still grow)
     step(s)  # 8 tokens each: still fits
     plan = step(s)  # a takes the last block for its 9th token; b needs one too and is preempted
-    assert [r.request_id for r in plan.preempted] == ["b"]
+    assert [r.label for r in plan.preempted] == ["b"]
     assert b.status is Status.WAITING and b.num_computed_tokens == 0
     assert s.waiting[0] is b
     assert s.num_preemptions == 1
@@ -108,7 +110,7 @@ def test_no_admission_in_a_step_that_preempted():
     s.add(request("c", 1, start=500))
     plan = step(s)  # a takes the last block, b is preempted, and c must wait although b freed two
     assert plan.preempted
-    assert "c" not in [c.request.request_id for c in plan.chunks]
+    assert "c" not in [c.request.label for c in plan.chunks]
 
 
 def test_admission_leaves_each_running_request_a_block_to_grow_into():
@@ -117,9 +119,9 @@ def test_admission_leaves_each_running_request_a_block_to_grow_into():
     s.add(a)
     s.add(b)
     plan = step(s)  # b would fit (2 of 4 blocks) but then a's next block would cost b its prefill
-    assert [c.request.request_id for c in plan.chunks] == ["a"]
+    assert [c.request.label for c in plan.chunks] == ["a"]
     s.finish(a)
-    assert [c.request.request_id for c in step(s).chunks] == ["b"]  # nothing running: all blocks usable
+    assert [c.request.label for c in step(s).chunks] == ["b"]  # nothing running: all blocks usable
     assert s.num_preemptions == 0
 
 

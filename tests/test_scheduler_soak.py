@@ -8,10 +8,11 @@ import random
 
 import pytest
 
+from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.params import SamplingParams
 from service.core.request import Request, Status
-from service.core.scheduler import Scheduler, SchedulerConfig
+from service.core.scheduler import Scheduler
 
 BS = 4
 PREFIXES = [list(range(1000 * k, 1000 * k + n)) for k, n in ((1, 9), (2, 16), (3, 5))]
@@ -25,11 +26,11 @@ def _next_token(request: Request) -> int:
 def _check_tables(s: Scheduler) -> None:
     refs: dict[int, int] = {}
     for request in s.running:
-        for block_id in s.kv.block_ids(request.request_id):
+        for block_id in s.kv.block_ids(request.id):
             refs[block_id] = refs.get(block_id, 0) + 1
-        assert len(s.kv.block_ids(request.request_id)) * BS >= request.num_computed_tokens
+        assert len(s.kv.block_ids(request.id)) * BS >= request.num_computed_tokens
     for request in s.waiting:
-        assert not s.kv.holds(request.request_id), f"{request.request_id} waits while holding blocks"
+        assert not s.kv.holds(request.id), f"{request.id} waits while holding blocks"
     for block in s.kv.pool.blocks:
         assert block.ref_count == refs.get(block.block_id, 0), f"block {block.block_id}"
     assert s.kv.pool.num_free == sum(1 for b in s.kv.pool.blocks if b.ref_count == 0)
@@ -42,7 +43,7 @@ def _run_chunk(chunk, memory: dict[int, list[int | None]]) -> None:
         block_id = chunk.block_ids[pos // BS]
         if pos < chunk.start:
             held = memory[block_id][pos % BS]
-            assert held == tokens[pos], f"{chunk.request.request_id} reads a wrong KV entry at {pos}"
+            assert held == tokens[pos], f"{chunk.request.id} reads a wrong KV entry at {pos}"
         else:
             memory[block_id][pos % BS] = tokens[pos]
 
@@ -53,11 +54,12 @@ def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, pre
     rng = random.Random(seed)
     num_blocks = rng.choice([12, 20, 40])  # small pools force preemption
     s = Scheduler(
-        SchedulerConfig(max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([8, 16, 64])),
+        EngineConfig(max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([8, 16, 64])),
         KVCacheManager(num_blocks, BS, prefix_caching),
+        max_model_len=num_blocks * BS,
     )
     memory: dict[int, list[int | None]] = {b: [None] * BS for b in range(num_blocks)}
-    targets: dict[str, int] = {}
+    targets: dict[int, int] = {}
     finished, aborted = [], []
     for i in range(3000):  # 300 steps of arrivals, then until the traffic drains
         if i < 300 and rng.random() < 0.3:
@@ -66,36 +68,27 @@ def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, pre
                 earlier = rng.choice(finished)
                 prompt = earlier.all_token_ids + [rng.randrange(97) for _ in range(rng.randint(1, 6))]
             prompt = prompt[: num_blocks * BS // 2]  # fits the pool on its own
-            request = Request(f"r{i}", prompt, SamplingParams())
-            targets[request.request_id] = len(prompt) + rng.randint(1, 10)
+            num_new = rng.randint(1, 10)
+            request = Request(i, prompt, SamplingParams(max_new_tokens=num_new))
+            targets[request.id] = len(prompt) + num_new
             s.add(request)
         if rng.random() < 0.05 and (s.running or s.waiting):
             victim = rng.choice([*s.running, *s.waiting])
             s.finish(victim)
             aborted.append(victim)
         plan = s.schedule()
-        assert plan.num_tokens <= s.config.max_num_batched_tokens
-        assert len(s.running) <= s.config.max_num_seqs
+        assert plan.num_tokens <= s.max_num_batched_tokens
+        assert len(s.running) <= s.max_num_seqs
         _check_tables(s)
         for chunk in plan.chunks:
             _run_chunk(chunk, memory)
-        s.complete(plan)
-        for chunk in plan.chunks:
-            if chunk.sample:
-                chunk.request.append_token(_next_token(chunk.request))
-        for request in list(s.running):
-            if (
-                request.num_tokens >= targets[request.request_id]
-                and request.num_computed_tokens >= request.num_tokens - 1
-            ):
-                s.finish(request)
-                finished.append(request)
+        finished += s.update(plan, [[_next_token(r)] for r in plan.sampled])
         if i >= 300 and not s.has_work():
             break
     assert not s.has_work(), "the traffic did not drain"
     assert s.kv.pool.num_free == num_blocks
     assert all(r.status is Status.FINISHED for r in finished + aborted)
-    assert all(r.num_tokens >= targets[r.request_id] for r in finished)
+    assert all(r.num_tokens == targets[r.id] for r in finished)
     if prefix_caching:
         assert s.kv.num_hit_tokens > 0
     else:

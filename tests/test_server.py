@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import grpc
@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.client import Client, build_request
 from service.config import ServerConfig
+from service.engine import EngineConfig
 from service.server import Server
 from tests.conftest import ROOT
 
@@ -60,7 +61,13 @@ class Running:
 
 
 def base_config(model: Path, **kw) -> ServerConfig:
-    return ServerConfig(model=str(model), port=0, metrics_port=0, kv_cache_gb=0.05, max_num_batched_tokens=128, **kw)
+    """A server on a free port with a small KV cache; kw are fields of ServerConfig or EngineConfig."""
+    engine_fields = {f.name for f in fields(EngineConfig)}
+    engine = EngineConfig(
+        **{"kv_cache_gb": 0.05, "max_num_batched_tokens": 128} | {k: v for k, v in kw.items() if k in engine_fields}
+    )
+    server = {k: v for k, v in kw.items() if k not in engine_fields}
+    return ServerConfig(model=str(model), port=0, metrics_port=0, engine=engine, **server)
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,8 @@ from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogp
 from service.core.params import SamplingParams
 from service.engine import ModelInfo
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, Unavailable
-from service.server import (
-    Server,
-    authorized,
-    engine_config,
-    prompt_token_ids,
-    sampling_params,
-    start_server,
-    status_details,
-    status_of,
-    stream_response,
-    unary_response,
-)
+from service.server import Server, authorized, start_server, status_details, status_of
+from service.wire import prompt_input, sampling_params, stream_response, unary_response
 from tests.conftest import ROOT
 
 TIMEOUT = 30
@@ -102,10 +92,10 @@ class FakeTokenizer:
 
 def test_inputs():
     tok = FakeTokenizer()
-    assert prompt_token_ids(tok, build_request(prompt="ab")) == tok.encode("ab")
-    assert prompt_token_ids(tok, build_request(prompt_token_ids=[1, 2, 3])) == [1, 2, 3]
+    assert prompt_input(tok, build_request(prompt="ab")) == (tok.encode("ab"), "prompt")
+    assert prompt_input(tok, build_request(prompt_token_ids=[1, 2, 3])) == ([1, 2, 3], "prompt_token_ids")
     chat = build_request(messages=[{"role": "user", "content": "hi"}])
-    assert prompt_token_ids(tok, chat) == tok.encode("<user>hi<assistant>")
+    assert prompt_input(tok, chat) == (tok.encode("<user>hi<assistant>"), "messages")
 
 
 @pytest.mark.parametrize(
@@ -121,7 +111,7 @@ def test_inputs():
 )
 def test_bad_inputs(kwargs, needle):
     with pytest.raises(InvalidArgument) as err:
-        prompt_token_ids(FakeTokenizer(), build_request(**kwargs))
+        prompt_input(FakeTokenizer(), build_request(**kwargs))
     assert needle in str(err.value)
 
 
@@ -199,11 +189,12 @@ def test_config_defaults_env_and_flags():
         "OVSERVE_FAST_SINGLE_STREAM": "1",
     }
     config = parse_args(["--max-num-seqs", "8", "--port", "7000"], env=env)
-    assert (config.model, config.port, config.kv_cache_gb, config.threads) == ("/models/x", 7000, 2.5, 4)
-    assert (config.max_num_seqs, config.enable_prefix_caching, config.log_format) == (8, False, "json")
-    assert parse_args(["--enable-prefix-caching"], env=env).enable_prefix_caching
-    assert config.dq_group_size == 64 and engine_config(config).dynamic_quantization_group_size == 64
-    assert engine_config(config).fast_single_stream and not engine_config(ServerConfig(model="m")).fast_single_stream
+    engine = config.engine
+    assert (config.model, config.port, engine.kv_cache_gb, engine.threads) == ("/models/x", 7000, 2.5, 4)
+    assert (engine.max_num_seqs, engine.enable_prefix_caching, config.log_format) == (8, False, "json")
+    assert parse_args(["--enable-prefix-caching"], env=env).engine.enable_prefix_caching
+    assert engine.dq_group_size == 64
+    assert engine.fast_single_stream and not ServerConfig(model="m").engine.fast_single_stream
 
 
 @pytest.mark.parametrize(
@@ -261,6 +252,10 @@ class FakeEngine:
         self.release = threading.Event()
         self.live: set[str] = set()
         self.shut_down = False
+        self.alive = True
+
+    def on_death(self, listener) -> None:
+        pass
 
     def start(self) -> None:
         self.release.wait(TIMEOUT)
@@ -274,10 +269,10 @@ class FakeEngine:
 
         return EngineStats(num_running=len(self.live), num_total_blocks=4, num_free_blocks=4 - len(self.live))
 
-    async def generate(self, ids, params, request_id=None, timeout=None):
+    async def generate(self, ids, params, request_id=None, timeout=None, prompt_field="prompt_token_ids"):
         if ids[0] == 99:
             raise ZeroDivisionError("a bug")
-        params.validate(INFO.max_new_tokens_limit)
+        params.validate(INFO.max_new_tokens_limit, INFO.vocab_size)
         self.live.add(request_id)
         try:
             for i in range(params.max_new_tokens):

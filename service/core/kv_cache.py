@@ -23,16 +23,16 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._tables: dict[str, list[Block]] = {}
-        self._hashes: dict[str, list[int]] = {}  # hashes of each request's full blocks, computed once
+        self._tables: dict[int, list[Block]] = {}
+        self._hashes: dict[int, list[int]] = {}  # hashes of each request's full blocks, computed once
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
 
     # -- queries ---------------------------------------------------------------------------------------
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: int) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 
-    def holds(self, request_id: str) -> bool:
+    def holds(self, request_id: int) -> bool:
         return request_id in self._tables
 
     @property
@@ -47,7 +47,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache ----------------------------------------------------------------------------------
-    def find_prefix(self, request_id: str, token_ids: Sequence[int]) -> PrefixHit:
+    def find_prefix(self, request_id: int, token_ids: Sequence[int]) -> PrefixHit:
         """Longest cached run of full blocks at the start of token_ids, capped at len(token_ids) - 1
         tokens because the last token must be computed to get logits. Takes no references."""
         hit = PrefixHit([], 0)
@@ -63,7 +63,7 @@ class KVCacheManager:
         hit.num_tokens = len(hit.blocks) * self.block_size
         return hit
 
-    def _full_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+    def _full_block_hashes(self, request_id: int, token_ids: Sequence[int]) -> list[int]:
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
         for i in range(len(hashes), len(token_ids) // bs):
@@ -72,7 +72,7 @@ class KVCacheManager:
         return hashes
 
     # -- allocation ------------------------------------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None, keep_free: int = 0) -> bool:
+    def allocate(self, request_id: int, num_tokens: int, prefix: PrefixHit | None = None, keep_free: int = 0) -> bool:
         """Make the request's table cover num_tokens tokens, first taking the prefix-hit blocks.
         Returns False, changing nothing, when the pool cannot supply the new blocks and still keep
         keep_free blocks free."""
@@ -95,7 +95,7 @@ class KVCacheManager:
             table.append(block)
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_full_blocks(self, request_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """After a step: register the blocks that the computed tokens have filled."""
         if not self.enable_prefix_caching:
             return
@@ -106,7 +106,7 @@ class KVCacheManager:
             if table[i].hash is None:
                 self.pool.cache(table[i], hashes[i])
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: int) -> None:
         """Release every block the request holds; tail blocks first so they are evicted first."""
         for block in reversed(self._tables.pop(request_id, [])):
             self.pool.release(block)

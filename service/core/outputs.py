@@ -10,7 +10,6 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller
-    ERROR = "error"  # the engine failed this request
 
 
 @dataclass(frozen=True)

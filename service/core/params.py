@@ -36,7 +36,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self, max_new_tokens_limit: int) -> None:
+    def validate(self, max_new_tokens_limit: int, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first field outside its range."""
         _check(
             1 <= self.max_new_tokens <= max_new_tokens_limit,
@@ -79,6 +79,8 @@ class SamplingParams:
             "stop_token_ids",
             f"at most {MAX_STOP_STRINGS} ids, got {len(self.stop_token_ids)}",
         )
+        for t in self.stop_token_ids:
+            _check(0 <= t < vocab_size, "stop_token_ids", f"each id must be in [0, {vocab_size}), got {t}")
         _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 

@@ -6,23 +6,24 @@ remaining budget is computed in chunks, side by side with other requests' decode
 request is admitted only while each running request keeps one free block to grow into. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
 (mostly from the prefix cache).
+
+The scheduler owns a request's life on the engine thread: add() takes it in, update() records each
+step's outcome (computed tokens, sampled tokens, stop rules) and finish() takes it out wherever it is,
+freeing its blocks. `requests` holds every request it has not finished.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
+from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 4096
+from service.core.stop import stop_reason
 
 
 @dataclass(frozen=True)
@@ -47,34 +48,71 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    @property
+    def sampled(self) -> list[Request]:
+        """The requests whose last planned token is sampled this step, in the order of their logits rows."""
+        return [c.request for c in self.chunks if c.sample]
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.kv = kv
+        self.requests: dict[int, Request] = {}  # every request not finished, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        if request.id in self.requests:
+            raise ValueError(f"request id {request.id} is already in the scheduler")
+        self.requests[request.id] = request
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
-    def finish(self, request: Request) -> None:
-        """Remove a request wherever it is (done, aborted, failed, expired) and free its blocks."""
-        if request.status is Status.RUNNING:
+    def finish(self, request: Request, reason: FinishReason | None = None) -> None:
+        """Take a request out wherever it is (done, aborted, failed, expired) and free its blocks.
+        reason is None when it did not end normally. Finishing a finished request does nothing."""
+        if self.requests.pop(request.id, None) is None:
+            return
+        if request in self.running:
             self.running.remove(request)
-        elif request.status is Status.WAITING and request in self.waiting:
+        if request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED
-        self.kv.free(request.request_id)
+        request.finish_reason = reason
+        self.kv.free(request.id)
+
+    def update(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
+        """Record a step's outcome: the plan's chunks were computed, and plan.sampled[i] was given the
+        tokens sampled[i] (one token, or a run of accepted ones). Applies the stop rules after each token
+        (tokens after a stop are dropped) and finishes what stopped. Returns the finished requests."""
+        for chunk in plan.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(request.id, request.all_token_ids, request.num_computed_tokens)
+        finished = []
+        now = time.monotonic()
+        for request, token_ids in zip(plan.sampled, sampled, strict=True):
+            if request.first_token_time is None:
+                request.first_token_time = now
+            for token_id in token_ids:
+                request.append_token(token_id)
+                reason = stop_reason(request, self.max_model_len)
+                if reason is not None:
+                    self.finish(request, reason)
+                    finished.append(request)
+                    break
+        return finished
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._drop_expired(plan)
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         for request in list(self.running):
             if budget == 0:
                 break
@@ -91,7 +129,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         target = request.num_computed_tokens + num_new
-        while not self.kv.allocate(request.request_id, target):
+        while not self.kv.allocate(request.id, target):
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is request:
@@ -100,24 +138,23 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id)
+        self.kv.free(request.id)
         request.status = Status.WAITING
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         plan.preempted.append(request)
         plan.chunks = [c for c in plan.chunks if c.request is not request]
 
     def _admit_waiting(self, budget: int, plan: StepPlan) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.kv.find_prefix(request.request_id, request.all_token_ids)
+            prefix = self.kv.find_prefix(request.id, request.all_token_ids)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             # admit only if every running request can still take one more block: otherwise the next
             # decode step would preempt the newcomer and throw its prefill away
             keep_free = len(self.running)
-            if not self.kv.allocate(request.request_id, prefix.num_tokens + num_new, prefix, keep_free):
+            if not self.kv.allocate(request.id, prefix.num_tokens + num_new, prefix, keep_free):
                 break  # wait for blocks to be freed; first come, first served
             self.waiting.popleft()
             request.status = Status.RUNNING
@@ -132,7 +169,7 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(
-            request, start, num_new, self.kv.block_ids(request.request_id), sample=start + num_new == request.num_tokens
+            request, start, num_new, self.kv.block_ids(request.id), sample=start + num_new == request.num_tokens
         )
 
     def _drop_expired(self, plan: StepPlan) -> None:
@@ -141,10 +178,3 @@ class Scheduler:
             if request.deadline is not None and now >= request.deadline:
                 self.finish(request)
                 plan.expired.append(request)
-
-    def complete(self, plan: StepPlan) -> None:
-        """Record that the model computed the plan's chunks and register newly full blocks."""
-        for chunk in plan.chunks:
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)

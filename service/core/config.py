@@ -1,0 +1,55 @@
+"""Every engine setting with its default and help text, stated once.
+
+The command line (service/config.py) makes a flag and an environment variable of each field; the
+runner, the scheduler, the engine and bench/ read the same object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field carrying its command-line help (and allowed values) in its metadata."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Defaults suit a 2-core box; on a 32-core server raise kv_cache_gb, max_num_seqs and
+    max_num_batched_tokens (see README)."""
+
+    threads: int | None = setting(None, "inference threads (default: the CPUs this process may use)")
+    kv_cache_gb: float = setting(1.0, "KV cache budget in GiB")
+    kv_cache_precision: str = setting("u8", "KV cache element type", ("u8", "f16", "f32"))
+    dq_group_size: int | None = setting(
+        None,
+        "activation channels per dynamic-quantization group in int8 matmuls (default: the CPU plugin's, 32; "
+        "64 measured 5-10%% faster with slightly larger logit error; 0 turns it off)",
+    )
+    fast_single_stream: bool = setting(
+        False,
+        "compile a second copy of the model, without dynamic quantization, for steps of one token (one "
+        "stream decoding): faster single-stream decode, a second copy of the weights in memory",
+    )
+    max_num_seqs: int = setting(32, "requests generated together at most")
+    max_num_batched_tokens: int = setting(512, "tokens per engine step at most (prompt chunks and decode tokens)")
+    max_model_len: int | None = setting(None, "context limit (default: the model's, capped by what the KV cache holds)")
+    max_queue: int = setting(256, "requests waiting beyond the running ones before RESOURCE_EXHAUSTED")
+    batch_window_ms: float = setting(0.0, "wait this long after an arrival to gather a burst into one step")
+    enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
+
+    def problems(self) -> list[str]:
+        """What is out of range, one sentence each, naming the setting; empty when the config is usable."""
+        checks = [
+            (self.threads is None or self.threads >= 1, "threads must be at least 1"),
+            (self.kv_cache_gb > 0, "kv_cache_gb must be > 0"),
+            (self.dq_group_size is None or self.dq_group_size >= 0, "dq_group_size must be >= 0 (0 turns it off)"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
+            (self.max_queue >= 0, "max_queue must be >= 0"),
+            (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
+        ]
+        return [message for ok, message in checks if not ok]

@@ -1,0 +1,47 @@
+"""What the engine tells about itself: the served model's limits, and a snapshot of its counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    model_dir: str
+    max_model_len: int
+    max_new_tokens_limit: int
+    vocab_size: int  # token ids are in [0, vocab_size): the model's embedding rows
+    eos_token_ids: tuple[int, ...]
+    num_threads: int
+    kv_cache_bytes: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Published by the engine thread after every step; readers on other threads take it without locks.
+    The *_seconds_total counters split the engine thread's time by stage (benchmarks read their deltas)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    num_failed_steps: int = 0
+    last_step_seconds: float = 0.0
+    tokens_per_step: float = 0.0
+    num_cache_evictions: int = 0
+    schedule_seconds_total: float = 0.0
+    execute_seconds_total: float = 0.0
+    sample_seconds_total: float = 0.0
+    update_seconds_total: float = 0.0
+    step_seconds_total: float = 0.0

@@ -1,0 +1,304 @@
+"""The engine thread: takes commands, steps the model, publishes each step's outputs and stats.
+
+Only the engine thread touches the scheduler, the KV cache and the runner. Other threads call
+submit(), abort() and stop(), which put a command on the queue, and stats(), which reads the last
+published snapshot. A failed step fails the requests in it and nothing else; if the thread itself
+ever dies, `on_death` is called so that the front can fail every caller and report unhealthy.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from service.core.config import EngineConfig
+from service.core.kv_cache import KVCacheManager
+from service.core.outputs import FinishReason, TokenLogprob
+from service.core.request import Request
+from service.core.sampler import sample
+from service.core.scheduler import Scheduler, StepPlan
+from service.core.stats import EngineStats, ModelInfo
+from service.errors import DeadlineExceeded, EngineFailure, ServiceError, Unavailable
+from service.model_files import ModelFiles
+from service.runner import ModelRunner, StepInput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineOutput:
+    """What a step produced for one request: new tokens and, on its last output, a finish reason or an
+    error. num_cached_tokens and queue_seconds are known from the request's first scheduling on."""
+
+    request_id: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: ServiceError | None = None
+    num_cached_tokens: int = 0
+    queue_seconds: float = 0.0
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: int
+
+
+Command = Request | Abort | None  # None only wakes the thread up
+Publish = Callable[[list[EngineOutput]], None]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: ModelFiles,
+        config: EngineConfig,
+        publish: Publish,
+        on_death: Callable[[BaseException], None],
+    ) -> None:
+        self.config = config
+        self.runner = ModelRunner(model.ir, config)
+        capacity = self.runner.num_blocks * self.runner.block_size
+        context = model.context_length or capacity
+        self.max_model_len = min(config.max_model_len or context, context, capacity)
+        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.info = ModelInfo(
+            model_id=model.model_id,
+            model_dir=str(model.path),
+            max_model_len=self.max_model_len,
+            max_new_tokens_limit=self.max_model_len,
+            vocab_size=self.runner.vocab_size,
+            eos_token_ids=model.eos_token_ids,
+            num_threads=self.runner.num_threads,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            num_kv_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        log.info(
+            "max_model_len %d (model context %d, KV cache holds %d tokens in %d blocks)",
+            self.max_model_len,
+            context,
+            capacity,
+            self.runner.num_blocks,
+        )
+        self._publish = publish
+        self._on_death = on_death
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._stats = EngineStats(num_total_blocks=self.runner.num_blocks, num_free_blocks=self.runner.num_blocks)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_failed_steps = 0
+        self.alive = False  # the thread runs and takes requests
+
+    # -- any thread ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Warm the model up, then start the engine thread."""
+        self.runner.execute([StepInput([0] * 8, 0, [0], True)])
+        # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
+        # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
+        self.runner.execute([StepInput([0], 8, [0], True)])
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.alive = True
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Fail what is left with UNAVAILABLE and end the thread."""
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.alive = False
+
+    def submit(self, request: Request) -> None:
+        """Hand a validated request to the engine thread; from now on only that thread touches it."""
+        self._commands.put(request)
+
+    def abort(self, request_id: int) -> None:
+        self._commands.put(Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # -- engine thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._take_commands(block=not self.scheduler.has_work())
+                if self._stopping:
+                    break
+                if self.scheduler.has_work():
+                    self.step()
+            self._fail_everything(Unavailable("the server is shutting down"))
+        except BaseException as exc:  # the loop itself broke: nothing here can be trusted any more
+            self.alive = False
+            log.critical("the engine thread died", exc_info=exc)
+            self._on_death(exc)
+        finally:
+            self.alive = False
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        added = self._apply(command)
+        while True:
+            try:
+                added |= self._apply(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        if added and self.config.batch_window_ms > 0 and not self.scheduler.running:
+            time.sleep(self.config.batch_window_ms / 1000)  # gather a burst of arrivals into one step
+            self._take_commands(block=False)
+        self._update_stats()
+
+    def _apply(self, command: Command) -> bool:
+        if isinstance(command, Request):
+            self.scheduler.add(command)
+            return True
+        if isinstance(command, Abort):
+            request = self.scheduler.requests.get(command.request_id)
+            if request is not None:
+                self.scheduler.finish(request, FinishReason.ABORT)
+                self._publish([self._output(request, [], [])])
+        return False
+
+    def step(self) -> None:
+        """Plan, run, sample and record one step. An exception at any stage fails exactly the requests of
+        this step (INTERNAL, blocks freed); the engine goes on with the others."""
+        clock = _StageClock()
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as exc:
+            # The plan is lost: fail what it could have held. Each such failure removes at least one
+            # request, so a request that breaks planning cannot make the engine loop.
+            self._fail_step([*self.scheduler.running, *list(self.scheduler.waiting)[:1]], exc)
+            return
+        clock.lap("schedule")
+        outputs = [self._error(r, DeadlineExceeded("the request's deadline passed")) for r in plan.expired]
+        if plan.chunks:
+            try:
+                outputs += self._run_plan(plan, clock)
+            except Exception as exc:
+                self._publish(outputs)
+                self._fail_step([c.request for c in plan.chunks], exc)
+                return
+        self._update_stats(plan, clock)  # before publishing: callers see fresh stats
+        self._publish(outputs)
+
+    def _run_plan(self, plan: StepPlan, clock: _StageClock) -> list[EngineOutput]:
+        logits = self.runner.execute(
+            [
+                StepInput(c.request.all_token_ids[c.start : c.start + c.num_tokens], c.start, c.block_ids, c.sample)
+                for c in plan.chunks
+            ]
+        )
+        clock.lap("execute")
+        sampled = plan.sampled
+        result = sample(logits, sampled)
+        clock.lap("sample")
+        num_before = [r.num_output_tokens for r in sampled]
+        self.scheduler.update(plan, [[t] for t in result.token_ids])
+        clock.lap("update")
+        outputs = []
+        for request, n, logprob in zip(sampled, num_before, result.logprobs, strict=True):
+            new = request.output_token_ids[n:]
+            outputs.append(self._output(request, new, [logprob] if logprob is not None and new else []))
+        return outputs
+
+    def _fail_step(self, requests: list[Request], exc: Exception) -> None:
+        log.error("engine step failed; failing its %d requests", len(requests), exc_info=exc)
+        error = EngineFailure(f"the model step failed: {exc}")
+        outputs = []
+        for request in requests:
+            self.scheduler.finish(request)
+            outputs.append(self._error(request, error))
+        self.num_failed_steps += 1
+        self._update_stats()
+        self._publish(outputs)
+
+    def _fail_everything(self, error: ServiceError) -> None:
+        outputs = []
+        for request in list(self.scheduler.requests.values()):
+            self.scheduler.finish(request)
+            outputs.append(self._error(request, error))
+        while True:  # submitted after the last command was taken
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, Request):
+                outputs.append(self._error(command, error))
+        self._publish(outputs)
+
+    def _output(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob]) -> EngineOutput:
+        scheduled = request.first_scheduled_time
+        return EngineOutput(
+            request.id,
+            token_ids,
+            logprobs,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
+        )
+
+    def _error(self, request: Request, error: ServiceError) -> EngineOutput:
+        out = self._output(request, [], [])
+        out.finish_reason, out.error = None, error
+        return out
+
+    def _update_stats(self, plan: StepPlan | None = None, clock: _StageClock | None = None) -> None:
+        """Publish a fresh snapshot; callers on other threads read it without locks."""
+        s = self._stats
+        chunks = plan.chunks if plan else []
+        seconds = clock.seconds if clock else {}
+        self._stats = EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv.usage,
+            num_free_blocks=self.kv.pool.num_free,
+            num_total_blocks=self.kv.pool.num_blocks,
+            prefix_hit_rate=self.kv.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=s.num_prompt_tokens
+            + sum(c.num_tokens for c in chunks if c.start < c.request.num_prompt_tokens),
+            num_generated_tokens=s.num_generated_tokens + sum(1 for c in chunks if c.sample),
+            num_steps=s.num_steps + (plan is not None),
+            num_failed_steps=self.num_failed_steps,
+            last_step_seconds=clock.total if clock else s.last_step_seconds,
+            tokens_per_step=float(plan.num_tokens) if plan else s.tokens_per_step,
+            num_cache_evictions=self.kv.pool.num_evictions,
+            schedule_seconds_total=s.schedule_seconds_total + seconds.get("schedule", 0.0),
+            execute_seconds_total=s.execute_seconds_total + seconds.get("execute", 0.0),
+            sample_seconds_total=s.sample_seconds_total + seconds.get("sample", 0.0),
+            update_seconds_total=s.update_seconds_total + seconds.get("update", 0.0),
+            step_seconds_total=s.step_seconds_total + (clock.total if clock else 0.0),
+        )
+
+
+class _StageClock:
+    """Seconds spent in each stage of one step."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.start

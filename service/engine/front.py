@@ -1,0 +1,214 @@
+"""The engine's async front: validates requests, streams their outputs to callers on any event loop
+(detokenized, stop strings applied), and aborts what callers abandon.
+
+Each request gets a server-generated id, the key of its stream here and of its state on the engine
+thread; the caller's request_id is only a label. Outputs come back from the engine thread once per step
+and are handed to each caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from service.core.config import EngineConfig
+from service.core.detokenizer import IncrementalDetokenizer
+from service.core.outputs import FinishReason, RequestOutput, Timings, Usage
+from service.core.params import SamplingParams
+from service.core.request import Request, check_label
+from service.core.stats import EngineStats, ModelInfo
+from service.engine.core import EngineCore, EngineOutput
+from service.errors import DeadlineExceeded, InvalidArgument, QueueFull, Unavailable
+from service.model_files import ModelFiles
+from service.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[EngineOutput]
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = ModelFiles.read(model_dir)
+        self.tokenizer = Tokenizer(self.model.path)
+        self.core = EngineCore(self.model, config, self._publish, self._core_died)
+        self.info: ModelInfo = self.core.info
+        if self.tokenizer.max_token_id >= self.info.vocab_size:
+            raise ValueError(
+                f"the tokenizer in {model_dir} has token ids up to {self.tokenizer.max_token_id}, outside the "
+                f"model's vocabulary of {self.info.vocab_size}; convert the model again with `python -m convert`"
+            )
+        self._streams: dict[int, _Stream] = {}  # by request id; written on callers' loops, read by the engine
+        self._ids = itertools.count(1)
+        self._death_listeners: list[Callable[[], None]] = []
+        self.died = False
+        self._accepting = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Warm the model up and start the engine thread. Returns when ready to serve."""
+        self.core.start()
+        self._accepting = True
+
+    def shutdown(self) -> None:
+        self._accepting = False
+        self.core.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self.core.alive
+
+    def on_death(self, listener: Callable[[], None]) -> None:
+        """Call listener (on the engine thread) when the engine thread dies; at once if it already has."""
+        self._death_listeners.append(listener)
+        if self.died:
+            listener()
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    # -- requests --------------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        prompt_field: str = "prompt_token_ids",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request; the last has finish_reason, usage and timings. Closing the
+        stream early aborts the request. prompt_field names the input the caller sent, for errors."""
+        request = self._make_request(prompt_token_ids, params, request_id, timeout, prompt_field)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request.id] = stream
+        finished = False
+        try:
+            if not self.core.alive:  # checked after registering: a death from now on reaches this stream
+                raise Unavailable("the engine has stopped")
+            self.core.submit(request)
+            detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop, params.include_stop_str_in_output)
+            num_tokens, first_token_time = 0, None
+            while not finished:
+                out = coalesce(await stream.outputs.get(), stream.outputs)
+                if out.error is not None:
+                    finished = True
+                    raise out.error
+                text = detok.add(out.token_ids)
+                num_tokens += len(out.token_ids)
+                if out.token_ids and first_token_time is None:
+                    first_token_time = time.monotonic()
+                finish = out.finish_reason
+                if detok.stopped and finish is None:
+                    finish = FinishReason.STOP
+                    self.core.abort(request.id)
+                usage = timings = None
+                if finish is not None:
+                    finished = True
+                    text += detok.flush()
+                    usage = Usage(request.num_prompt_tokens, num_tokens, out.num_cached_tokens)
+                    timings = _timings(request.arrival_time, out.queue_seconds, first_token_time)
+                yield RequestOutput(
+                    request.label, tuple(out.token_ids), text, tuple(out.logprobs), finish, usage, timings
+                )
+        finally:
+            del self._streams[request.id]
+            if not finished:
+                self.core.abort(request.id)
+
+    def _make_request(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        label: str | None,
+        timeout: float | None,
+        prompt_field: str,
+    ) -> Request:
+        """Validate everything a caller sent; the request is the engine thread's once submitted."""
+        if label is not None:
+            check_label(label)
+        if not self._accepting:
+            raise Unavailable("the engine is not serving (loading, stopped or draining)")
+        if not prompt:
+            raise InvalidArgument(prompt_field, "must not be empty")
+        limit = self.info.max_model_len
+        if len(prompt) >= limit:
+            raise InvalidArgument(
+                prompt_field,
+                f"the prompt has {len(prompt)} tokens; the context holds {limit} (at most {limit - 1} prompt tokens)",
+            )
+        vocab = self.info.vocab_size
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"{prompt_field}[{bad}]", f"token id {prompt[bad]} is outside the vocabulary [0, {vocab})"
+            )
+        params.validate(self.info.max_new_tokens_limit, vocab)
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceeded("the deadline passed before the request was queued")
+        limit = self.config.max_num_seqs + self.config.max_queue
+        if len(self._streams) >= limit:
+            raise QueueFull(
+                f"{len(self._streams)} requests in flight; the limit is "
+                f"{self.config.max_num_seqs} running + {self.config.max_queue} queued"
+            )
+        params = replace(params, eos_token_ids=self.info.eos_token_ids)
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        return Request(next(self._ids), list(prompt), params, label or uuid.uuid4().hex, deadline)
+
+    # -- engine thread ---------------------------------------------------------------------------------
+    def _publish(self, outputs: list[EngineOutput]) -> None:
+        """Hand each output to its caller's loop, one call per loop per step; outputs nobody waits for
+        (the caller went away) are dropped."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, EngineOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed; nobody is listening
+                loop.call_soon_threadsafe(_deliver, items)
+
+    def _core_died(self, exc: BaseException) -> None:
+        self._accepting = False
+        self.died = True
+        error = Unavailable("the engine stopped unexpectedly; retry on another replica")
+        self._publish([EngineOutput(request_id, error=error) for request_id in list(self._streams)])
+        for listener in self._death_listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("engine death listener failed")
+
+
+def _deliver(items: list[tuple[_Stream, EngineOutput]]) -> None:
+    for stream, out in items:
+        stream.outputs.put_nowait(out)
+
+
+def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> EngineOutput:
+    """Fold the outputs already waiting behind this one into it: a consumer that fell behind (a slow client,
+    a busy event loop) catches up with one output, and so one stream message, instead of one per step."""
+    while not out.final and not pending.empty():
+        later = pending.get_nowait()
+        if later.error is not None:
+            return later
+        out = replace(later, token_ids=out.token_ids + later.token_ids, logprobs=out.logprobs + later.logprobs)
+    return out
+
+
+def _timings(arrival: float, queue_seconds: float, first_token: float | None) -> Timings:
+    now = time.monotonic()
+    first = first_token or now
+    return Timings(queue=queue_seconds, ttft=first - arrival, decode=now - first, total=now - arrival)

@@ -1,0 +1,59 @@
+"""The one reader of a model folder written by `python -m convert`: the IR, config, generation config,
+manifest and tokenizer files. The engine and bench/ both read a model through it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+IR_FILE = "openvino_model.xml"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file, or {} when the file does not exist."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    path: Path
+    config: dict[str, Any]
+    generation_config: dict[str, Any]
+    manifest: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: str | Path) -> ModelFiles:
+        path = Path(path)
+        if not (path / IR_FILE).exists():
+            raise FileNotFoundError(f"{path} holds no {IR_FILE}; convert a model with `python -m convert`")
+        return cls(
+            path,
+            read_json(path / "config.json"),
+            read_json(path / "generation_config.json"),
+            read_json(path / "manifest.json"),
+        )
+
+    @property
+    def ir(self) -> Path:
+        return self.path / IR_FILE
+
+    @property
+    def model_id(self) -> str:
+        return str(self.manifest.get("model_id") or self.manifest.get("source") or self.path.name)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.generation_config.get("eos_token_id", self.config.get("eos_token_id"))
+        if eos is None:
+            return ()
+        return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+    @property
+    def context_length(self) -> int | None:
+        value = self.config.get("max_position_embeddings")
+        return int(value) if value is not None else None
