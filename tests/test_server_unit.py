@@ -2,6 +2,7 @@
 generated code; then a real gRPC server on localhost around a scripted fake engine."""
 
 import asyncio
+import logging
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from service.core.params import SamplingParams
 from service.engine import ModelInfo
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, Unavailable
 from service.server import Server, authorized, start_server, status_details, status_of
-from service.wire import prompt_input, sampling_params, stream_response, unary_response
+from service.wire import prompt_input, sampling_params, stream_response, tokenize_ids, unary_response
 from tests.conftest import ROOT
 
 TIMEOUT = 30
@@ -115,6 +116,13 @@ def test_bad_inputs(kwargs, needle):
     assert needle in str(err.value)
 
 
+def test_tokenize_errors_name_the_field_sent():
+    with pytest.raises(InvalidArgument, match="^text: must not be empty"):
+        tokenize_ids(FakeTokenizer(), pb.TokenizeRequest(text=""))
+    with pytest.raises(InvalidArgument, match="^messages"):
+        tokenize_ids(FakeTokenizer(), pb.TokenizeRequest(messages=[pb.ChatMessage(role="wizard", content="x")]))
+
+
 # -- domain -> proto -------------------------------------------------------------------------------------
 OUTPUTS = [
     RequestOutput("r1", (5,), "He", (TokenLogprob(5, -0.1, ((5, -0.1), (6, -2.0))),)),
@@ -173,6 +181,17 @@ def test_authorized():
     assert not authorized(gen, (), "t0k") and not authorized(gen, None, "t0k")
     assert authorized("/grpc.health.v1.Health/Check", (), "t0k")
     assert not authorized("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (), "t0k")
+
+
+# -- logs ------------------------------------------------------------------------------------------------
+def test_text_log_lines_cannot_be_forged():
+    from service.__main__ import TextFormatter
+
+    record = logging.LogRecord("service.server", logging.INFO, __file__, 1, "refused: %s", ("a\nFAKE\r\u2028x",), None)
+    record.request_id = "id\n2026-12-03 00:00:00,000 INFO forged"
+    line = TextFormatter().format(record)
+    assert "\n" not in line and "\r" not in line and "\u2028" not in line
+    assert "a\\x0aFAKE" in line and "request_id=id\\x0a2026" in line
 
 
 # -- config ----------------------------------------------------------------------------------------------
@@ -367,6 +386,16 @@ def test_fake_engine_lifecycle_errors_and_auth(loop, tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 c.generate(**kwargs)
             assert err.value.code() == code, err.value.details()
+        bad_utf8 = {"Generate": b"\x1a\x02\xff\xfe", "GenerateStream": b"\x1a\x02\xff\xfe", "Tokenize": b"\x0a\x01\xff"}
+        for method in ("Generate", "GenerateStream", "Tokenize", "GetModelInfo"):
+            for body in (b"\xff\xff\xff", bad_utf8.get(method, b"\xff")):  # corrupt; invalid UTF-8 in a string
+                call = c.channel.unary_unary if method != "GenerateStream" else c.channel.unary_stream
+                rpc = call(f"/ovserve.v1.Generation/{method}", request_serializer=None, response_deserializer=None)
+                with pytest.raises(grpc.RpcError) as err:
+                    result = rpc(body, metadata=c.metadata, timeout=TIMEOUT)
+                    list(result) if method == "GenerateStream" else result
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value.details())
+                assert err.value.details().startswith("request: not a valid ovserve.v1.")
         stream = c.stream(prompt="hi", max_new_tokens=60)
         next(stream)
         stream.cancel()

@@ -1,0 +1,128 @@
+"""Failure isolation on a real model: an exception at any stage of a step fails the requests of that step
+(INTERNAL), frees their blocks, and the engine goes on serving; a request that always fails cannot make
+the engine loop."""
+
+import asyncio
+
+import pytest
+
+import service.engine.core as engine_core
+from service.core.params import SamplingParams
+from service.engine import Engine, EngineConfig
+from service.errors import EngineFailure
+from tests.test_engine import assert_no_blocks_held, collect, run
+
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
+POISON = 4242  # a prompt starting with this token fails every step it is in
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3_ir):
+    e = Engine(tiny_qwen3_ir, EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=64, max_num_seqs=4))
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def poisoned(chunks_or_requests) -> bool:
+    return any(getattr(x, "request", x).prompt_token_ids[0] == POISON for x in chunks_or_requests)
+
+
+def inject(monkeypatch, engine: Engine, stage: str) -> None:
+    """Make `stage` raise whenever the poisoned request takes part in it."""
+    core = engine.core
+    if stage == "schedule":
+        real_schedule = core.scheduler.schedule
+
+        def schedule():
+            if poisoned(core.scheduler.waiting) or poisoned(core.scheduler.running):
+                raise RuntimeError("injected planning failure")
+            return real_schedule()
+
+        monkeypatch.setattr(core.scheduler, "schedule", schedule)
+    elif stage == "execute":
+        real_execute = core.runner.execute
+
+        def execute(seqs):
+            if any(list(s.token_ids[:1]) == [POISON] and s.past_len == 0 for s in seqs):
+                raise RuntimeError("injected runner failure")
+            return real_execute(seqs)
+
+        monkeypatch.setattr(core.runner, "execute", execute)
+    elif stage == "sample":
+        real_sample = engine_core.sample
+
+        def sample(logits, requests):
+            if poisoned(requests):
+                raise RuntimeError("injected sampler failure")
+            return real_sample(logits, requests)
+
+        monkeypatch.setattr(engine_core, "sample", sample)
+    elif stage == "update":
+        real_update = core.scheduler.update
+
+        def update(plan, sampled):
+            finished = real_update(plan, sampled)  # state already changed: the worst moment to fail
+            if poisoned(plan.chunks):
+                raise RuntimeError("injected bookkeeping failure")
+            return finished
+
+        monkeypatch.setattr(core.scheduler, "update", update)
+
+
+async def outcome(engine: Engine, prompt: list[int], delay: float = 0.0, params: SamplingParams = PARAMS) -> str:
+    try:
+        tokens, _, last = await collect(engine, prompt, params, delay=delay)
+    except EngineFailure:
+        return "failed"
+    assert len(tokens) == params.max_new_tokens and last.finish_reason is not None
+    return "ok"
+
+
+@pytest.mark.parametrize("stage", ["schedule", "execute", "sample", "update"])
+def test_a_failing_stage_fails_its_step_only_and_the_engine_goes_on(engine, monkeypatch, stage):
+    inject(monkeypatch, engine, stage)
+    failed_steps = engine.stats().num_failed_steps
+    steps = engine.stats().num_steps
+
+    async def traffic():
+        healthy = [outcome(engine, [5, 6, 7 + i], delay=0.3) for i in range(3)]
+        return await asyncio.gather(outcome(engine, [POISON, 1, 2, 3]), *healthy)
+
+    poison, *others = run(traffic())
+    assert poison == "failed"
+    assert others == ["ok"] * 3  # they arrived after the poisoned step failed
+    assert engine.stats().num_failed_steps == failed_steps + 1, "the failing request came back"
+    assert_no_blocks_held(engine)
+    monkeypatch.undo()
+    assert run(outcome(engine, [POISON, 1, 2, 3])) == "ok"  # and the engine is whole again
+    assert engine.stats().num_steps > steps
+
+
+def test_requests_sharing_the_failed_step_fail_with_it_and_no_others(engine, monkeypatch):
+    inject(monkeypatch, engine, "sample")
+    long = SamplingParams(max_new_tokens=2000, ignore_eos=True)
+
+    async def traffic():
+        return await asyncio.gather(
+            outcome(engine, [5, 6, 7], params=long),  # still decoding when the poisoned prompt joins its step
+            outcome(engine, [POISON, 1, 2], delay=0.05),
+            outcome(engine, [8, 9], delay=1.0),
+        )
+
+    assert run(traffic()) == ["failed", "failed", "ok"]
+    assert_no_blocks_held(engine)
+
+
+def test_a_request_that_always_fails_cannot_loop(engine, monkeypatch):
+    inject(monkeypatch, engine, "execute")
+    before = engine.stats().num_failed_steps
+
+    async def traffic():
+        return await asyncio.gather(*(outcome(engine, [POISON, i]) for i in range(5)))
+
+    results = run(traffic())
+    assert results == ["failed"] * 5
+    assert engine.stats().num_failed_steps - before <= 5  # at most one failed step per poisoned request
+    assert_no_blocks_held(engine)
+    assert run(outcome(engine, [5, 6])) == "ok"
