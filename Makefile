@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install proto model serve test test-fast lint bench bench-ab bench-4b bench-llamacpp clean
+.PHONY: install proto model serve test test-fast lint typecheck check bench bench-ab bench-4b bench-llamacpp clean
 
 install: $(STAMP)
 
@@ -41,6 +41,13 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+
+# mypy as configured in pyproject.toml: strict on service/core and service/engine.
+typecheck: $(STAMP)
+	.venv/bin/mypy
+
+# What CI runs: style, types, then every test.
+check: lint typecheck test
 
 bench: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench --quick --out bench/results

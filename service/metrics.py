@@ -4,6 +4,8 @@ never touches prometheus-client."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -33,7 +35,7 @@ class Metrics:
         )
         self._engine = EngineCollector()
         r.register(self._engine)
-        self._http = None
+        self._http: Any = None  # prometheus-client's WSGI server, once serving
 
     def attach(self, engine) -> None:
         self._engine.engine = engine

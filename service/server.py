@@ -175,7 +175,7 @@ class _Rpc:
             code = status_of(exc)
         self.metrics.observe_rpc(self.rpc, code.name, seconds, self.output)
         self._log(code, seconds, exc)
-        if code is grpc.StatusCode.OK or isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        if exc is None or isinstance(exc, asyncio.CancelledError | GeneratorExit):
             return False
         await self.context.abort(code, status_details(exc))  # raises: ends the RPC with this status
         return False
@@ -258,7 +258,7 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.state.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         address = f"{config.host}:{config.port}"
-        if config.tls_cert:
+        if config.tls_cert and config.tls_key:
             key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
             self.port = self.grpc.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
         else:
@@ -280,7 +280,11 @@ class Server:
     async def attach(self, engine: Engine, started: bool = False) -> None:
         """Start (warm up) the engine off the event loop unless it already is, then report SERVING."""
         loop = asyncio.get_running_loop()
-        engine.on_death(lambda: loop.call_soon_threadsafe(self._engine_died))
+
+        def died() -> None:  # on the engine thread
+            loop.call_soon_threadsafe(self._engine_died)
+
+        engine.on_death(died)
         if not started:
             await asyncio.to_thread(engine.start)
         self.state.engine = engine

@@ -90,9 +90,9 @@ class KVCacheManager:
             self.pool.acquire(block)
             table.append(block)
         for _ in range(max(num_new, 0)):
-            block = self.pool.allocate()
-            assert block is not None
-            table.append(block)
+            fresh = self.pool.allocate()
+            assert fresh is not None
+            table.append(fresh)
         return True
 
     def cache_full_blocks(self, request_id: int, token_ids: Sequence[int], num_computed: int) -> None:

@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -87,7 +87,7 @@ class Engine:
         request_id: str | None = None,
         timeout: float | None = None,
         prompt_field: str = "prompt_token_ids",
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request; the last has finish_reason, usage and timings. Closing the
         stream early aborts the request. prompt_field names the input the caller sent, for errors."""
         request = self._make_request(prompt_token_ids, params, request_id, timeout, prompt_field)
