@@ -89,5 +89,6 @@ class EngineCollector:
             ("ovserve_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions),
             ("ovserve_prompt_tokens", "Prompt tokens computed (prefix cache hits excluded)", s.num_prompt_tokens),
             ("ovserve_generated_tokens", "Tokens generated", s.num_generated_tokens),
+            ("ovserve_failed_steps", "Engine steps that raised (their requests failed)", s.num_failed_steps),
         ):
             yield CounterMetricFamily(name, doc, value=value)
