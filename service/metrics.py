@@ -90,5 +90,6 @@ class EngineCollector:
             ("ovserve_prompt_tokens", "Prompt tokens computed (prefix cache hits excluded)", s.num_prompt_tokens),
             ("ovserve_generated_tokens", "Tokens generated", s.num_generated_tokens),
             ("ovserve_failed_steps", "Engine steps that raised (their requests failed)", s.num_failed_steps),
+            ("ovserve_prefix_cache_evictions", "Cached KV blocks reused for new content", s.num_cache_evictions),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -299,7 +299,7 @@ def test_server_parses_the_deployed_settings(name, monkeypatch):
     cfg = parse_args(server_args(docs))
     assert cfg.port == c["readinessProbe"]["grpc"]["port"] == container_port(c, "grpc")
     assert cfg.metrics_port == container_port(c, "metrics")
-    assert cfg.threads == cpu_cores(c["resources"]["limits"]["cpu"])
+    assert cfg.engine.threads == cpu_cores(c["resources"]["limits"]["cpu"])
     assert cfg.host == "0.0.0.0"
     assert Path(cfg.model).is_relative_to(MODEL_MOUNT)
 
