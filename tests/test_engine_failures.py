@@ -126,3 +126,21 @@ def test_a_request_that_always_fails_cannot_loop(engine, monkeypatch):
     assert engine.stats().num_failed_steps - before <= 5  # at most one failed step per poisoned request
     assert_no_blocks_held(engine)
     assert run(outcome(engine, [5, 6])) == "ok"
+
+
+def test_a_request_the_scheduler_cannot_take_fails_alone(engine, monkeypatch):
+    real_add = engine.core.scheduler.add
+
+    def add(request):
+        if request.prompt_token_ids[0] == POISON:
+            raise RuntimeError("injected queueing failure")
+        real_add(request)
+
+    monkeypatch.setattr(engine.core.scheduler, "add", add)
+
+    async def traffic():
+        return await asyncio.gather(outcome(engine, [POISON, 1]), outcome(engine, [5, 6, 7]))
+
+    assert run(traffic()) == ["failed", "ok"]
+    assert engine.alive
+    assert_no_blocks_held(engine)

@@ -165,7 +165,12 @@ class EngineCore:
 
     def _apply(self, command: Command) -> bool:
         if isinstance(command, Request):
-            self.scheduler.add(command)
+            try:
+                self.scheduler.add(command)
+            except Exception as exc:  # this request's fault, not the engine's: it alone fails
+                log.error("cannot queue request %d", command.id, exc_info=exc)
+                self._publish([self._error(command, EngineFailure(f"the request could not be queued: {exc}"))])
+                return False
             return True
         if isinstance(command, Abort):
             request = self.scheduler.requests.get(command.request_id)
