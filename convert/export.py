@@ -28,7 +28,7 @@ TOOLS = ("openvino", "optimum-intel", "nncf", "transformers", "torch")
 EMBEDDED_DEFAULT = "smollm2"
 LOW_SPACE_BYTES = 64 << 20
 # Part of a conversion's identity: bump it when the files written change, so old outputs are redone.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4  # 4: manifest vocab_size; added tokens outside the vocabulary dropped
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,17 @@ def _convert_into(source: str, work: Path, options: Options, identity: dict) -> 
     del model
     gc.collect()  # the PyTorch model of the export, before verify loads a reference copy
     log.info("exported in %.0f s", time.time() - started)
-    _write_tokenizer(tokenizer_dir, work, quirks)
-    _write_manifest(work, identity, options)
+    import openvino as ov
+
+    from convert.verify import weight_stats
+    from convert.vocab import ir_vocab_rows
+
+    ir = ov.Core().read_model(work / "openvino_model.xml")
+    vocab_size = ir_vocab_rows(ir)  # the embedding rows of what runs, not config.json's vocab_size
+    stats = weight_stats(ir)
+    del ir
+    _write_tokenizer(tokenizer_dir, work, quirks, vocab_size)
+    _write_manifest(work, identity, options, stats, vocab_size)
     return hf_dir
 
 
@@ -250,9 +259,10 @@ def _from_hub(model_id: str, scratch: Path, options: Options) -> tuple[Path, Pat
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict) -> None:
+def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict, vocab_size: int) -> None:
     """Copy the tokenizer files as they are (loading and re-saving them can break the decoder), then fix
-    the end-of-turn token and make sure the chat template is stored in both usual places."""
+    the end-of-turn token, make sure the chat template is stored in both usual places, and drop added tokens
+    outside the model's vocab_size embedding rows (refused when the model needs one of them)."""
     for stale in (
         "openvino_tokenizer.xml",
         "openvino_tokenizer.bin",
@@ -291,6 +301,9 @@ def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict) -> None:
     if eos_id is not None and ("eos_token" in quirks or "eos_token_id" not in gen):
         gen["eos_token_id"] = [eos_id]
     gen_path.write_text(json.dumps(gen, indent=2))
+    from convert.vocab import fit_tokenizer
+
+    fit_tokenizer(work, vocab_size)
     _write_openvino_tokenizers(work)
 
 
@@ -334,10 +347,7 @@ def _write_openvino_tokenizers(work: Path) -> None:
         ov.save_model(detok, work / "openvino_detokenizer.xml")
 
 
-def _write_manifest(work: Path, identity: dict, options: Options) -> None:
-    from convert.verify import weight_stats
-
-    stats = weight_stats(work / "openvino_model.xml")
+def _write_manifest(work: Path, identity: dict, options: Options, stats, vocab_size: int) -> None:
     manifest = {
         **identity,
         "model_id": identity["source"] if identity["source"] != EMBEDDED_DEFAULT else "SmolLM2-135M-Instruct",
@@ -348,6 +358,7 @@ def _write_manifest(work: Path, identity: dict, options: Options) -> None:
             "ratio": options.ratio,
         },
         "tools": {t: _version(t) for t in TOOLS},
+        "vocab_size": vocab_size,
         "parameters": stats.num_parameters,
         "compressed_weight_share": round(stats.compressed_share, 4),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

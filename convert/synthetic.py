@@ -13,11 +13,12 @@ import logging
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("convert")
 
 VOCAB_SIZE = 151936
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     # A larger initializer than training uses keeps random logits from collapsing onto one token.
     "tiny": dict(
         hidden_size=64,
@@ -132,14 +133,15 @@ def build(shape: str, out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        tie_word_embeddings=True,
-        eos_token_id=EOS_IDS[0],
-        bos_token_id=EOS_IDS[1],
-        torch_dtype="bfloat16",
+    settings: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "tie_word_embeddings": True,
+        "eos_token_id": EOS_IDS[0],
+        "bos_token_id": EOS_IDS[1],
+        "torch_dtype": "bfloat16",
         **SHAPES[shape],
-    )
+    }
+    config = Qwen3Config(**settings)
     torch.manual_seed(seed)
     log.info("building a random-weight Qwen3 of shape %s ...", shape)
     # The big shapes are initialized directly in bf16 (the real checkpoints' dtype): half the memory of fp32.

@@ -1,4 +1,5 @@
-"""Checks a converted model: the inputs and outputs the service needs, how much NNCF compressed, and
+"""Checks a converted model: the inputs and outputs the service needs, a tokenizer inside the model's
+vocabulary, how much NNCF compressed, that the IR becomes the paged-attention model the service runs, and
 (when the source checkpoint is at hand) agreement with PyTorch on a few fixed prompts."""
 
 from __future__ import annotations
@@ -6,12 +7,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from convert.contract import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
 from convert.errors import ConvertError
+from convert.vocab import ir_vocab_rows, tokenizer_problems
 
 log = logging.getLogger("convert")
 
@@ -29,10 +33,12 @@ class WeightStats:
     compressed_share: float  # share of weight elements stored as 8- or 4-bit integers
 
 
-def weight_stats(xml: Path) -> WeightStats:
+def weight_stats(model) -> WeightStats:
+    """model: an openvino.Model, or the path of its .xml."""
     import openvino as ov
 
-    model = ov.Core().read_model(xml)
+    if isinstance(model, Path):
+        model = ov.Core().read_model(model)
     total = compressed = 0
     for op in model.get_ops():
         if op.get_type_name() != "Constant":
@@ -86,15 +92,71 @@ def verify(model_dir: Path, source_dir: Path | None = None, gguf: Path | None = 
     if missing or "logits" not in {n for o in model.outputs for n in o.get_names()}:
         raise ConvertError(f"{xml} lacks inputs {missing} or the logits output the service needs")
     manifest = json.loads((model_dir / "manifest.json").read_text()) if (model_dir / "manifest.json").exists() else {}
-    stats = weight_stats(xml)
+    _check_vocabulary(model_dir, model, manifest)
+    stats = weight_stats(model)
     log.info(
         "verify: %d weight parameters, %.1f%% stored compressed", stats.num_parameters, 100 * stats.compressed_share
     )
     if manifest.get("weight_format", "int8") in ("int8", "int4") and stats.compressed_share < 0.5:
         raise ConvertError(f"only {stats.compressed_share:.0%} of the weights are compressed; expected most of them")
     log.info("verify: inputs %s and logits output present; eos %s", ", ".join(REQUIRED_INPUTS), eos)
+    num_layers = json.loads((model_dir / "config.json").read_text()).get("num_hidden_layers")
+    started = time.perf_counter()
+    layers = check_paged_attention(model, num_layers if isinstance(num_layers, int) else None)  # changes model
+    log.info(
+        "verify: paged-attention transformation gives the inputs the service needs (%d layers of KV cache, %.2f s)",
+        layers,
+        time.perf_counter() - started,
+    )
     if source_dir is not None or gguf is not None:
         _compare_with_pytorch(model_dir, source_dir, gguf, manifest.get("weight_format", "int8"))
+
+
+def _check_vocabulary(model_dir: Path, model, manifest: dict) -> int:
+    """The embedding rows of the IR; the manifest and the tokenizer must agree with them."""
+    rows = ir_vocab_rows(model)
+    recorded = manifest.get("vocab_size")
+    if recorded is not None and recorded != rows:
+        raise ConvertError(f"manifest.json says vocab_size {recorded} but the IR's embedding has {rows} rows")
+    problems = tokenizer_problems(model_dir, rows)
+    if problems:
+        raise ConvertError(
+            f"the tokenizer does not fit the model's {rows}-row vocabulary: {'; '.join(problems)} "
+            "(convert the model again: conversion drops such tokens or refuses the model)"
+        )
+    log.info("verify: vocabulary of %d rows (the IR's embedding); the tokenizer stays inside it", rows)
+    return rows
+
+
+def check_paged_attention(model, num_layers: int | None) -> int:
+    """Apply the service's paged-attention transformation to model (in place) and check the inputs it needs are
+    there, with one key_cache.N / value_cache.N pair per layer; returns the number of layers."""
+    from openvino._offline_transformations import paged_attention_transformation
+
+    try:
+        paged_attention_transformation(model, False, False)
+    except RuntimeError as exc:
+        raise ConvertError(
+            f"the IR does not transform into a paged-attention model, so the service cannot load it: "
+            f"{str(exc).strip().splitlines()[-1]}"
+        ) from exc
+    names = {n for i in model.inputs for n in i.get_names()}
+    found = {prefix: _layer_numbers(names, prefix) for prefix in KV_CACHE_PREFIXES}
+    layers = num_layers or max(1, *(len(f) for f in found.values()))
+    missing = [n for n in PAGED_ATTENTION_INPUTS if n not in names]
+    missing += [f"{p}{i}" for p in KV_CACHE_PREFIXES for i in range(layers) if i not in found[p]]
+    if "logits" not in {n for o in model.outputs for n in o.get_names()}:
+        missing.append("the logits output")
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ConvertError(
+            f"after the paged-attention transformation the IR lacks {shown}: the service could not serve it"
+        )
+    return layers
+
+
+def _layer_numbers(names: set[str], prefix: str) -> set[int]:
+    return {int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit()}
 
 
 def _compare_with_pytorch(model_dir: Path, source_dir: Path | None, gguf: Path | None, weight_format: str) -> None:
@@ -109,7 +171,8 @@ def _compare_with_pytorch(model_dir: Path, source_dir: Path | None, gguf: Path |
         reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     else:
         # fp32 doubles a bf16 checkpoint in memory: past 1 GB on disk the reference keeps the checkpoint's dtype
-        on_disk = sum(f.stat().st_size for f in Path(source_dir).glob("*.safetensors"))
+        assert source_dir is not None
+        on_disk = sum(f.stat().st_size for f in source_dir.glob("*.safetensors"))
         dtype = torch.float32 if on_disk < (1 << 30) else "auto"
         reference = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype)
     compiled = ov.Core().compile_model(model_dir / "openvino_model.xml", "CPU")

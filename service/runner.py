@@ -17,20 +17,12 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
+from convert.contract import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
 from service.core.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 SAMPLED_ROWS = "sampled_rows"
-REQUIRED_INPUTS = (
-    "input_ids",
-    "position_ids",
-    "max_context_len",
-    "past_lens",
-    "subsequence_begins",
-    "block_indices_begins",
-    "block_indices",
-)
 
 
 @dataclass(frozen=True)
@@ -105,7 +97,7 @@ class ModelRunner:
         )
 
     def _cache_inputs(self) -> list[ov.Output]:
-        return [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
+        return [i for i in self.compiled.inputs if i.get_any_name().startswith(KV_CACHE_PREFIXES)]
 
     def _cache_layout(self) -> tuple[int, int]:
         block_size = 0
@@ -176,7 +168,7 @@ def _gather_before_lm_head(model: ov.Model) -> None:
 
 def _check_inputs(model: ov.Model) -> None:
     names = {n for i in model.inputs for n in i.get_names()}
-    missing = [n for n in REQUIRED_INPUTS if n not in names]
+    missing = [n for n in PAGED_ATTENTION_INPUTS if n not in names]
     if missing or not any(n.startswith("key_cache.") for n in names):
         raise ValueError(
             f"the model is not a paged-attention LLM after transformation: missing inputs "

@@ -19,6 +19,7 @@ def test_tiny_qwen3_int8_export(tiny_qwen3_ir: Path):
     assert manifest["fingerprint"].startswith("folder:")
     assert {"openvino", "nncf", "optimum-intel", "transformers", "torch"} <= set(manifest["tools"])
     assert manifest["parameters"] > 0 and manifest["created"]
+    assert manifest["vocab_size"] == 151936  # the IR's embedding rows; the tokenizer's 151,669 ids fit inside
     model = ov.Core().read_model(tiny_qwen3_ir / "openvino_model.xml")
     names = {n for i in model.inputs for n in i.get_names()}
     assert {"input_ids", "attention_mask", "position_ids", "beam_idx"} <= names
@@ -104,6 +105,8 @@ def test_verify_cli_compares_with_pytorch(tiny_qwen3_ir: Path):
     assert result.stdout.strip().endswith("OK")
     assert "top-1 agree" in result.stderr and "100%" in result.stderr
     assert "stored compressed" in result.stderr
+    assert "vocabulary of 151936 rows" in result.stderr
+    assert "paged-attention transformation gives the inputs the service needs (2 layers" in result.stderr
 
 
 def test_verify_cli_fails_clearly(tiny_qwen3_ir: Path, tmp_path: Path):

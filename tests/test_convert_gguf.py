@@ -27,6 +27,21 @@ def test_default_model_manifest_and_quirks(smollm2_ir: Path):
 
 
 @pytest.mark.slow
+def test_default_model_tokenizer_fits_its_vocabulary(smollm2_ir: Path):
+    """transformers gives the GGUF's tokenizer CodeLlama's five infilling tokens at ids 49152-49156, past the
+    model's 49,152 embedding rows; the conversion drops them."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    assert json.loads((smollm2_ir / "manifest.json").read_text())["vocab_size"] == 49152
+    tok = Tokenizer.from_file(str(smollm2_ir / "tokenizer.json"))
+    assert tok.get_vocab_size(with_added_tokens=True) == 49152
+    assert tok.token_to_id("<FILL_ME>") is None and tok.token_to_id("▁<PRE>") is None
+    assert max(tok.encode("<FILL_ME> ▁<PRE> ▁<EOT>").ids) < 49152
+    assert len(AutoTokenizer.from_pretrained(smollm2_ir)) == 49152  # nor does transformers add them back
+
+
+@pytest.mark.slow
 def test_default_model_tokenizer_round_trips(smollm2_ir: Path):
     from tokenizers import Tokenizer
 
