@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads((out / "results.json").read_text())
     else:
         results = run.run(args)
-        run._save(results, args.out)
+        run.save(results, args.out)
     report.write(results, out)
     print(f"wrote {out / 'results.json'}, {out / 'REPORT.md'} and plots", file=sys.stderr)
     return 0

@@ -43,22 +43,24 @@ class LoadClient:
             cwd=run.ROOT,
             preexec_fn=_idle_priority if idle else None,
         )
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both piped
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self._send({"prompts": prompts})
 
     def burst(self, concurrency: int, max_new: int) -> dict:
         self._send({"concurrency": concurrency, "max_new_tokens": max_new})
-        line = self.proc.stdout.readline()
+        line = self.stdout.readline()
         if not line:
             raise RuntimeError("the load generator exited")
         return json.loads(line)
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.stdin.close()
         self.proc.wait(timeout=30)
 
     def _send(self, obj: dict) -> None:
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps(obj) + "\n")
+        self.stdin.flush()
 
 
 def _idle_priority() -> None:
@@ -105,16 +107,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(model: Path, concurrency: list[int], repeats: int, max_new: int, idle_client: bool) -> dict:
     ids, _ = run.tokenize(model, run.load_prompts())
-    engine = workers._our_engine({"model": str(model), "budget": workers.BUDGET}, prefix_caching=False)
+    engine = workers.our_engine({"model": str(model), "budget": workers.budget_dict(workers.BUDGET)}, False)
     port = grpc_load.free_port()
     log_path = Path(tempfile.gettempdir()) / f"grpc-ab-server-{port}.log"
-    result: dict = {"model": str(model), "budget": workers.BUDGET, "max_new_tokens": max_new, "runs": {}}
+    budget = workers.budget_dict(engine.config)  # what both sides run with
+    result: dict = {"model": str(model), "budget": budget, "max_new_tokens": max_new, "runs": {}}
     result["client_sched_idle"] = idle_client
     try:
-        asyncio.run(workers._ours_batch(engine, ids[:2], 8))  # warm-up
-        with grpc_load.server(
-            str(model), port, extra=grpc_load.server_flags(workers.BUDGET, prefix_caching=False), log_path=log_path
-        ) as proc:
+        asyncio.run(workers.ours_batch(engine, ids[:2], 8))  # warm-up
+        flags = grpc_load.server_flags(engine.config)  # the in-process engine's config, prefix caching off
+        with grpc_load.server(str(model), port, extra=flags, log_path=log_path) as proc:
             client = LoadClient(port, proc.pid, ids, idle_client)
             try:
                 for c in concurrency:
@@ -163,7 +165,7 @@ def _one(kind: str, engine, client: LoadClient, ids: list[list[int]], c: int, ma
     time.sleep(0.2)  # let the previous run's stragglers settle
     if kind == "inproc":
         cpu = _own_cpu()
-        r = asyncio.run(workers._ours_batch(engine, workers._take(ids, c), max_new))
+        r = asyncio.run(workers.ours_batch(engine, workers.take(ids, c), max_new))
         n = r["output_tokens"]
         return {"tokens_per_s": n / r["wall_s"], "cpu_s_per_token": (_own_cpu() - cpu) / n}
     server, load = _proc_cpu(client.server_pid), _proc_cpu(client.proc.pid)

@@ -17,8 +17,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from service.core.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,8 +37,8 @@ class Api:
     stub_cls: type
     method: str  # the server-streaming generate method on the stub
     request_cls: type
-    set_prompt_ids: object  # callable(request, ids)
-    set_params: object  # callable(request, max_new_tokens)
+    set_prompt_ids: Callable[[Any, list[int]], None]  # (request, ids)
+    set_params: Callable[[Any, int], None]  # (request, max_new_tokens)
 
 
 def load_api() -> Api:
@@ -152,17 +156,18 @@ def _cached_tokens(resp) -> int | None:
 
 
 # -- the server process ----------------------------------------------------------------------------
-def server_flags(budget: dict, prefix_caching: bool = True) -> list[str]:
-    """`python -m service` flags giving the server the same budget as an in-process peer."""
-    return [
-        f"--kv-cache-gb={budget['kv_cache_gb']}",
-        f"--max-num-seqs={budget['max_num_seqs']}",
-        f"--max-num-batched-tokens={budget['max_num_batched_tokens']}",
-        f"--threads={budget['num_threads']}",
-        # Off where the prompt set repeats at high concurrency: measure compute, not reuse.
-        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-        f"--metrics-port={free_port()}",  # metrics on, as in production
-    ]
+def server_flags(config: EngineConfig) -> list[str]:
+    """`python -m service` flags giving the server exactly this engine config (the in-process peer's):
+    each EngineConfig field is a flag of the same name (service/config.py); None leaves the server's default."""
+    flags = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        flag = f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            flags.append(f"--{flag}={value}")
+    return [*flags, f"--metrics-port={free_port()}"]  # metrics on, as in production
 
 
 def free_port() -> int:
@@ -177,7 +182,7 @@ def server(model: str, port: int, extra: list[str] | None = None, log_path: Path
         importlib.import_module("service.server")
     except Exception as exc:
         raise Unsupported(f"service.server is not importable: {exc}") from exc
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    log = open(log_path, "w") if log_path else None  # noqa: SIM115
     cmd = [
         sys.executable,
         "-m",
@@ -190,7 +195,7 @@ def server(model: str, port: int, extra: list[str] | None = None, log_path: Path
         str(port),
         *(extra or []),
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         _wait_ready(proc, port, timeout)
         yield proc
@@ -201,7 +206,7 @@ def server(model: str, port: int, extra: list[str] | None = None, log_path: Path
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if log_path:
+        if log:
             log.close()
 
 
@@ -375,7 +380,8 @@ async def multiturn(client: Client, conversations: list[dict], turns: int, reply
     return {"conversations": len(conversations), "reply_tokens": reply_tokens, "turns": out}
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def pct(values: list[float], q: float) -> float | None:
+    """The q-quantile of values, interpolated linearly; None for none."""
     if not values:
         return None
     v = sorted(values)
@@ -401,7 +407,7 @@ def summarize(samples: list[Sample], wall: float) -> dict:
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall if wall else 0.0,
         "requests_per_s": len(ok) / wall if wall else 0.0,
-        "ttft_s": {"p50": _pct(ttft, 0.5), "p95": _pct(ttft, 0.95), "p99": _pct(ttft, 0.99)},
-        "itl_s": {"p50": _pct(itl, 0.5), "p99": _pct(itl, 0.99)},
-        "e2e_s": {"p50": _pct(e2e, 0.5), "p95": _pct(e2e, 0.95)},
+        "ttft_s": {"p50": pct(ttft, 0.5), "p95": pct(ttft, 0.95), "p99": pct(ttft, 0.99)},
+        "itl_s": {"p50": pct(itl, 0.5), "p99": pct(itl, 0.99)},
+        "e2e_s": {"p50": pct(e2e, 0.5), "p95": pct(e2e, 0.95)},
     }

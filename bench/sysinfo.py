@@ -38,7 +38,7 @@ ISA_FLAGS = (
 
 
 def machine() -> dict:
-    cpu_model, flags = "unknown", set()
+    cpu_model, flags = "unknown", set[str]()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -65,7 +65,7 @@ def machine() -> dict:
 
 
 def versions() -> dict:
-    out = {}
+    out: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             out[name] = metadata.version(name)

@@ -23,17 +23,23 @@ import asyncio
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
 from bench import grpc_load, run, workers
 
+# knob: (A, B), EngineConfig fields over the bench's budget (the engine's defaults, 2 threads); where the
+# question is "change the default?", A is the default.
 KNOBS: dict[str, tuple[dict, dict]] = {
-    "threads": ({"num_threads": 1}, {"num_threads": 2}),
-    "kv_cache_precision": ({"kv_cache_precision": "u8"}, {"kv_cache_precision": "f16"}),
-    "dq_group_size": ({}, {"dynamic_quantization_group_size": 64}),
-    "batch_window_ms": ({"batch_window_ms": 0.0}, {"batch_window_ms": 10.0}),
-    "max_num_batched_tokens": ({"max_num_batched_tokens": 512}, {"max_num_batched_tokens": 128}),
+    "threads": ({"threads": 1}, {"threads": workers.BUDGET.threads}),
+    "kv_cache_precision": ({"kv_cache_precision": workers.BUDGET.kv_cache_precision}, {"kv_cache_precision": "f16"}),
+    "dq_group_size": ({}, {"dq_group_size": 64}),
+    "batch_window_ms": ({"batch_window_ms": workers.BUDGET.batch_window_ms}, {"batch_window_ms": 10.0}),
+    "max_num_batched_tokens": (
+        {"max_num_batched_tokens": workers.BUDGET.max_num_batched_tokens},
+        {"max_num_batched_tokens": 128},
+    ),
     "fast_single_stream": ({}, {"fast_single_stream": True}),
 }
 ARRIVAL_KNOBS = ("batch_window_ms", "max_num_batched_tokens")  # measured under staggered arrivals
@@ -65,10 +71,10 @@ async def arrivals(engine, prompts: list[list[int]], rate: float, n: int, max_ne
     gaps = [g for s in samples for g in s.itls()]
     return {
         "tokens_per_s": sum(s.tokens for s in samples) / wall,
-        "ttft_p50_s": grpc_load._pct(ttfts, 0.5),
-        "ttft_p95_s": grpc_load._pct(ttfts, 0.95),
-        "itl_p50_s": grpc_load._pct(gaps, 0.5),
-        "itl_p99_s": grpc_load._pct(gaps, 0.99),
+        "ttft_p50_s": grpc_load.pct(ttfts, 0.5),
+        "ttft_p95_s": grpc_load.pct(ttfts, 0.95),
+        "itl_p50_s": grpc_load.pct(gaps, 0.5),
+        "itl_p99_s": grpc_load.pct(gaps, 0.99),
     }
 
 
@@ -82,7 +88,7 @@ def workloads(knob: str, quick: bool) -> list[tuple[str, dict]]:
 
 def measure_once(engine, prompts: list[list[int]], w: dict) -> dict:
     if w["rate"] is None:
-        r = asyncio.run(workers._ours_batch(engine, workers._take(prompts, w["n"]), w["max_new"]))
+        r = asyncio.run(workers.ours_batch(engine, workers.take(prompts, w["n"]), w["max_new"]))
         return {"tokens_per_s": r["output_tokens"] / r["wall_s"], "ttft_p50_s": r["ttft_p50_s"]}
     return asyncio.run(arrivals(engine, prompts, w["rate"], w["n"], w["max_new"]))
 
@@ -90,12 +96,12 @@ def measure_once(engine, prompts: list[list[int]], w: dict) -> dict:
 def tune(model: Path, knob: str, repeats: int, quick: bool, kv_gb: float = 1.0) -> dict:
     prompts, _ = run.tokenize(model, run.load_prompts())
     a_setting, b_setting = KNOBS[knob]
-    spec = {"model": str(model), "budget": workers.BUDGET | {"kv_cache_gb": kv_gb}}
-    engines = [workers._our_engine(spec, prefix_caching=False, settings=s) for s in (a_setting, b_setting)]
+    spec = {"model": str(model), "budget": workers.budget_dict(replace(workers.BUDGET, kv_cache_gb=kv_gb))}
+    engines = [workers.our_engine(spec, prefix_caching=False, settings=s) for s in (a_setting, b_setting)]
     result: dict = {"knob": knob, "a": a_setting, "b": b_setting, "workloads": []}
     try:
         for e in engines:
-            asyncio.run(workers._ours_batch(e, prompts[:2], 8))  # warm-up
+            asyncio.run(workers.ours_batch(e, prompts[:2], 8))  # warm-up
         for label, w in workloads(knob, quick):
             pairs = []
             for r in range(repeats):

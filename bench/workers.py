@@ -9,6 +9,7 @@ budgets. The result is plain JSON.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -16,71 +17,70 @@ import time
 import traceback
 from pathlib import Path
 from statistics import median
+from typing import TYPE_CHECKING
+
+from service.core.config import EngineConfig
+from service.core.stats import EngineStats
+
+if TYPE_CHECKING:
+    from service.engine import Engine
 
 
 def _log(msg: str) -> None:
     print(f"    [{os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 
+# -- the budget ----------------------------------------------------------------------------------------
+# The budget every peer gets unless a run says otherwise: the engine's own defaults (service.core.config),
+# with 2 inference threads. Specs carry it as a dict (budget_dict); workers turn it back (budget_of).
+BUDGET = EngineConfig(threads=2)
+
+
+def budget_dict(config: EngineConfig) -> dict:
+    """The budget as plain JSON for a spec or a result: every EngineConfig field."""
+    return dataclasses.asdict(config)
+
+
+def budget_of(spec: dict) -> EngineConfig:
+    """The spec's budget as the EngineConfig it was made from."""
+    return EngineConfig(**spec["budget"])
+
+
+def peer_threads(config: EngineConfig) -> int:
+    """Inference threads for a peer: the budget's, or, when it leaves them open, what our engine would take."""
+    if config.threads is not None:
+        return config.threads
+    from service.runner import available_cpus
+
+    return available_cpus()
+
+
 # -- our engine ----------------------------------------------------------------------------------------
-class _StepTimer:
-    """Wraps the engine thread's parts with perf counters; cheap enough to leave on while measuring."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {"execute": 0.0, "sample": 0.0, "schedule": 0.0, "complete": 0.0, "step": 0.0}
-        self.calls = 0
-
-    def wrap(self, owner, name: str, key: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[key] += time.perf_counter() - t
-
-        setattr(owner, name, timed)
-
-    def reset(self) -> None:
-        for k in self.seconds:
-            self.seconds[k] = 0.0
+STAGES = ("schedule", "execute", "sample", "update", "step")  # the engine thread's *_seconds_total counters
 
 
-# The budget every peer gets unless a run says otherwise (the server's defaults, 2 threads).
-BUDGET = {"kv_cache_gb": 1.0, "max_num_seqs": 32, "max_num_batched_tokens": 512, "num_threads": 2}
+def engine_thread_seconds(before: EngineStats, after: EngineStats) -> dict[str, float]:
+    """Seconds the engine thread spent in each stage of its steps between two stats snapshots, and steps."""
+    seconds = {k: getattr(after, f"{k}_seconds_total") - getattr(before, f"{k}_seconds_total") for k in STAGES}
+    return seconds | {"steps": after.num_steps - before.num_steps}
 
 
-def _our_engine(spec: dict, prefix_caching: bool = True, settings: dict | None = None):
+def our_engine(spec: dict, prefix_caching: bool = True, settings: dict | None = None) -> Engine:
     """The engine with the spec's budget; `settings` are further EngineConfig fields (they win)."""
-    from service.engine import Engine, EngineConfig
+    from service.engine import Engine
 
-    b = spec["budget"]
-    fields = {
-        "kv_cache_gb": b["kv_cache_gb"],
-        "max_num_seqs": b["max_num_seqs"],
-        "max_num_batched_tokens": b["max_num_batched_tokens"],
-        "num_threads": b["num_threads"],
-        "enable_prefix_caching": prefix_caching,
-    }
-    engine = Engine(spec["model"], EngineConfig(**(fields | (settings or {}))))
+    config = dataclasses.replace(budget_of(spec), enable_prefix_caching=prefix_caching, **(settings or {}))
+    engine = Engine(spec["model"], config)
     engine.start()
     return engine
 
 
-def _instrument(engine) -> _StepTimer:
-    import service.engine as engine_module
-
-    timer = _StepTimer()
-    timer.wrap(engine.runner, "execute", "execute")
-    timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(engine.scheduler, "complete", "complete")
-    timer.wrap(engine_module, "sample", "sample")
-    timer.wrap(engine, "_step", "step")
-    return timer
-
-
-async def _ours_batch(engine, prompts: list[list[int]], max_new: int) -> dict:
+async def ours_batch(
+    engine: Engine, prompts: list[list[int]], max_new: int, steps: dict[int, EngineStats] | None = None
+) -> dict:
+    """All prompts at once; wall time, output tokens and median TTFT. With `steps`, the engine's stats
+    snapshot is kept as each output arrives, by step number: a sample of single steps (a snapshot holds
+    its last step's tokens and seconds), without touching the engine thread."""
     from service.core.params import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
@@ -93,6 +93,9 @@ async def _ours_batch(engine, prompts: list[list[int]], max_new: int) -> dict:
             if n == 0 and out.token_ids:
                 ttfts.append(time.perf_counter() - t0)
             n += len(out.token_ids)
+            if steps is not None:
+                s = engine.stats()
+                steps.setdefault(s.num_steps, s)
         return n
 
     t0 = time.perf_counter()
@@ -102,17 +105,17 @@ async def _ours_batch(engine, prompts: list[list[int]], max_new: int) -> dict:
 
 
 def run_ours(spec: dict) -> dict:
-    engine = _our_engine(spec, prefix_caching=spec.get("prefix_caching", False))
-    timer = _instrument(engine)
+    engine = our_engine(spec, prefix_caching=spec.get("prefix_caching", False))
     try:
-        asyncio.run(_ours_batch(engine, spec["prompts"][:2], 8))  # warm-up: shapes and caches
+        asyncio.run(ours_batch(engine, spec["prompts"][:2], 8))  # warm-up: shapes and caches
         results = []
         for c in spec["concurrency"]:
             tries = []
             for _ in range(_repeats(spec, c)):
-                timer.reset()
-                r = asyncio.run(_ours_batch(engine, _take(spec["prompts"], c), spec["max_new_tokens"]))
-                r["engine_thread_s"] = dict(timer.seconds)
+                before = engine.stats()
+                r = asyncio.run(ours_batch(engine, take(spec["prompts"], c), spec["max_new_tokens"]))
+                # the engine publishes a step's stats before its outputs: the last step is counted
+                r["engine_thread_s"] = engine_thread_seconds(before, engine.stats())
                 tries.append(r)
             r = _median_run(tries)
             r["concurrency"] = c
@@ -136,24 +139,27 @@ def _median_run(tries: list[dict]) -> dict:
     return best
 
 
-def _take(prompts: list[list[int]], n: int) -> list[list[int]]:
+def take(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n prompts, cycling through the set."""
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
 # -- openvino-genai ContinuousBatchingPipeline ---------------------------------------------------------
-def _genai_pipe(spec: dict, prefix_caching: bool):
+def genai_pipe(spec: dict, prefix_caching: bool):
+    """openvino-genai's pipeline with the spec's budget (its KV cache in whole GB)."""
     import openvino_genai as genai
 
-    b = spec["budget"]
+    b = budget_of(spec)
     sc = genai.SchedulerConfig()
-    sc.cache_size = max(1, int(round(b["kv_cache_gb"])))
-    sc.max_num_seqs = b["max_num_seqs"]
-    sc.max_num_batched_tokens = b["max_num_batched_tokens"]
+    sc.cache_size = max(1, int(round(b.kv_cache_gb)))
+    sc.max_num_seqs = b.max_num_seqs
+    sc.max_num_batched_tokens = b.max_num_batched_tokens
     sc.enable_prefix_caching = prefix_caching
-    return genai.ContinuousBatchingPipeline(spec["model"], sc, "CPU", {"INFERENCE_NUM_THREADS": b["num_threads"]})
+    return genai.ContinuousBatchingPipeline(spec["model"], sc, "CPU", {"INFERENCE_NUM_THREADS": peer_threads(b)})
 
 
-def _genai_generate(pipe, prompts: list[list[int]], max_new: int) -> tuple[float, int]:
+def genai_generate(pipe, prompts: list[list[int]], max_new: int) -> tuple[float, int]:
+    """All prompts in one generate() call: wall time and generated tokens."""
     import numpy as np
     import openvino as ov
     import openvino_genai as genai
@@ -167,13 +173,13 @@ def _genai_generate(pipe, prompts: list[list[int]], max_new: int) -> tuple[float
 
 
 def run_genai(spec: dict) -> dict:
-    pipe = _genai_pipe(spec, prefix_caching=spec.get("prefix_caching", False))
-    _genai_generate(pipe, spec["prompts"][:2], 8)
+    pipe = genai_pipe(spec, prefix_caching=spec.get("prefix_caching", False))
+    genai_generate(pipe, spec["prompts"][:2], 8)
     results = []
     for c in spec["concurrency"]:
         tries = []
         for _ in range(_repeats(spec, c)):
-            wall, n = _genai_generate(pipe, _take(spec["prompts"], c), spec["max_new_tokens"])
+            wall, n = genai_generate(pipe, take(spec["prompts"], c), spec["max_new_tokens"])
             tries.append({"wall_s": wall, "output_tokens": n})
         r = _median_run(tries) | {"concurrency": c}
         results.append(r)
@@ -198,10 +204,9 @@ def run_optimum(spec: dict) -> dict:
     import torch
     from optimum.intel import OVModelForCausalLM
 
-    b = spec["budget"]
     model = OVModelForCausalLM.from_pretrained(
         spec["model"],
-        ov_config={"INFERENCE_NUM_THREADS": b["num_threads"], "PERFORMANCE_HINT": "LATENCY"},
+        ov_config={"INFERENCE_NUM_THREADS": peer_threads(budget_of(spec)), "PERFORMANCE_HINT": "LATENCY"},
         compile=True,
     )
     return _hf_style(model, spec, torch)
@@ -211,7 +216,7 @@ def run_hf(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(spec["budget"]["num_threads"])
+    torch.set_num_threads(peer_threads(budget_of(spec)))
     kwargs = {"gguf_file": spec["gguf_file"]} if spec.get("gguf_file") else {}
     model = AutoModelForCausalLM.from_pretrained(spec["hf_model"], dtype=torch.float32, **kwargs)
     model.eval()
@@ -241,7 +246,7 @@ def _hf_style(model, spec: dict, torch) -> dict:
     for c in spec["concurrency"]:
         tries = []
         for _ in range(_repeats(spec, c) if spec["kind"] == "optimum" else 1):
-            wall, n = gen(_take(spec["prompts"], c), spec["max_new_tokens"])
+            wall, n = gen(take(spec["prompts"], c), spec["max_new_tokens"])
             tries.append({"wall_s": wall, "output_tokens": n})
         r = _median_run(tries) | {"concurrency": c}
         results.append(r)
@@ -259,9 +264,9 @@ def run_multiturn_ours(spec: dict) -> dict:
     convs = spec["conversations"]
     turn2_prompts = []
     cached, cold, cached_tokens = [], [], []
-    engine = _our_engine(spec, prefix_caching=True)
+    engine = our_engine(spec, prefix_caching=True)
     try:
-        asyncio.run(_ours_batch(engine, [convs[0]["turn1"][:16]], 2))
+        asyncio.run(ours_batch(engine, [convs[0]["turn1"][:16]], 2))
         for conv in convs:
             reply = asyncio.run(_ours_collect(engine, conv["turn1"], spec["reply_tokens"]))
             prompt2 = conv["turn1"] + reply + conv["turn2_suffix"]
@@ -272,9 +277,9 @@ def run_multiturn_ours(spec: dict) -> dict:
             _log(f"ours multi-turn cached ttft {ttft * 1000:.1f} ms ({len(prompt2)} tokens, {usage} cached)")
     finally:
         engine.shutdown()
-    engine = _our_engine(spec, prefix_caching=False)
+    engine = our_engine(spec, prefix_caching=False)
     try:
-        asyncio.run(_ours_batch(engine, [convs[0]["turn1"][:16]], 2))
+        asyncio.run(ours_batch(engine, [convs[0]["turn1"][:16]], 2))
         for prompt2 in turn2_prompts:
             ttft, _ = asyncio.run(_ours_ttft(engine, prompt2))
             cold.append(ttft)
@@ -318,19 +323,19 @@ def run_multiturn_genai(spec: dict) -> dict:
     convs = spec["conversations"]
     prompts2 = spec["turn2_prompts"]
     cached, cold = [], []
-    pipe = _genai_pipe(spec, prefix_caching=True)
-    _genai_generate(pipe, [convs[0]["turn1"][:16]], 2)
+    pipe = genai_pipe(spec, prefix_caching=True)
+    genai_generate(pipe, [convs[0]["turn1"][:16]], 2)
     for conv, prompt2 in zip(convs, prompts2, strict=True):
         n1 = len(conv["turn1"])
-        _genai_generate(pipe, [prompt2[: n1 + spec["reply_tokens"]]], 1)  # turn 1 with its reply in the cache
-        wall, _ = _genai_generate(pipe, [prompt2], 1)
+        genai_generate(pipe, [prompt2[: n1 + spec["reply_tokens"]]], 1)  # turn 1 with its reply in the cache
+        wall, _ = genai_generate(pipe, [prompt2], 1)
         cached.append(wall)
         _log(f"genai multi-turn cached ttft {wall * 1000:.1f} ms")
     del pipe
-    pipe = _genai_pipe(spec, prefix_caching=False)
-    _genai_generate(pipe, [convs[0]["turn1"][:16]], 2)
+    pipe = genai_pipe(spec, prefix_caching=False)
+    genai_generate(pipe, [convs[0]["turn1"][:16]], 2)
     for prompt2 in prompts2:
-        wall, _ = _genai_generate(pipe, [prompt2], 1)
+        wall, _ = genai_generate(pipe, [prompt2], 1)
         cold.append(wall)
         _log(f"genai multi-turn cold ttft {wall * 1000:.1f} ms")
     return {"cached_ttft_s": cached, "cold_ttft_s": cold}

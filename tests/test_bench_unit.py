@@ -1,10 +1,14 @@
 """The benchmark's arithmetic and report, on hand-made results (no model, no timing)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench import grpc_ab, report
+from bench import grpc_ab, grpc_load, report, tune, workers
+from service.config import parse_args
+from service.core.config import EngineConfig
+from service.core.stats import EngineStats
 
 
 def _pair(inproc_tps, grpc_tps, inproc_cpu, server_cpu, client_cpu):
@@ -57,7 +61,7 @@ def _results() -> dict:
                     },
                 },
                 "tuning": {
-                    "threads": {"ok": True, "a": {"num_threads": 1}, "b": {"num_threads": 2}, "workloads": [workload]},
+                    "threads": {"ok": True, "a": {"threads": 1}, "b": {"threads": 2}, "workloads": [workload]},
                     "dq_group_size": {"ok": False, "error": "it broke"},
                 },
             }
@@ -69,5 +73,55 @@ def test_report_shows_grpc_cost_and_tuning_answers(tmp_path: Path):
     report.write(_results(), tmp_path)
     text = (tmp_path / "REPORT.md").read_text()
     assert "| 1 | 100.0 | 97.0 | 0.970 |" in text
-    assert "| threads | num_threads=1 | num_threads=2 | burst of 1 | 50.0 | 60.0 | 1.20 | 100 / 90 | - / - |" in text
+    assert "| threads | threads=1 | threads=2 | burst of 1 | 50.0 | 60.0 | 1.20 | 100 / 90 | - / - |" in text
     assert "dq_group_size | failed: it broke" in text
+
+
+def test_budget_is_the_engine_defaults_with_two_threads_and_survives_a_spec():
+    assert replace(workers.BUDGET, threads=None) == EngineConfig()
+    assert workers.BUDGET.threads == 2
+    spec = {"budget": workers.budget_dict(replace(workers.BUDGET, kv_cache_gb=2.0))}
+    assert workers.budget_of(spec) == replace(workers.BUDGET, kv_cache_gb=2.0)
+
+
+def test_server_flags_give_the_server_the_same_engine_config():
+    config = replace(workers.BUDGET, kv_cache_gb=2.0, enable_prefix_caching=False, dq_group_size=64)
+    assert parse_args(["--model", "m", *grpc_load.server_flags(config)], env={}).engine == config
+
+
+def test_tuning_knobs_are_engine_settings():
+    for a, b in tune.KNOBS.values():
+        EngineConfig(**a)
+        EngineConfig(**b)
+
+
+def test_engine_thread_seconds_are_deltas_of_the_engine_counters():
+    before = EngineStats(num_steps=3, execute_seconds_total=1.0, step_seconds_total=1.5)
+    after = EngineStats(
+        num_steps=10,
+        schedule_seconds_total=0.1,
+        execute_seconds_total=3.0,
+        sample_seconds_total=0.2,
+        update_seconds_total=0.05,
+        step_seconds_total=4.0,
+    )
+    t = workers.engine_thread_seconds(before, after)
+    assert t == pytest.approx({"schedule": 0.1, "execute": 2.0, "sample": 0.2, "update": 0.05, "step": 2.5, "steps": 7})
+
+
+def _ours_round(thread_s: dict) -> dict:
+    return {
+        "ours": {
+            "ok": True,
+            "runs": [{"concurrency": 1, "wall_s": 2.0, "tokens_per_s": 50.0, "engine_thread_s": thread_s}],
+        }
+    }
+
+
+@pytest.mark.parametrize("update_key", ["update", "complete"])  # "complete": results.json from before EngineStats
+def test_report_profiles_the_engine_thread(tmp_path: Path, update_key: str):
+    results = _results()
+    thread_s = {"execute": 1.0, "sample": 0.1, "schedule": 0.02, update_key: 0.02, "step": 1.2}
+    results["models"]["m"]["rounds"] = [_ours_round(thread_s)]
+    report.write(results, tmp_path)
+    assert "| 1 | 50% | 5% | 2% | 3% | 40% |" in (tmp_path / "REPORT.md").read_text()
