@@ -359,6 +359,8 @@ def _write_manifest(work: Path, identity: dict, options: Options, stats, vocab_s
         },
         "tools": {t: _version(t) for t in TOOLS},
         "vocab_size": vocab_size,
+        # what the service roots its KV-block digests in: a block of another IR can never match
+        "ir_digest": "sha256:" + _sha256_files(work / "openvino_model.xml", work / "openvino_model.bin"),
         "parameters": stats.num_parameters,
         "compressed_weight_share": round(stats.compressed_share, 4),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -386,6 +388,13 @@ def _sha256(path: Path) -> str:
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sha256_files(*paths: Path) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(_sha256(path).encode())
     return digest.hexdigest()
 
 

@@ -30,6 +30,7 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     request_id: str | None = None,
+    cache_salt: str | None = None,
     **options,
 ) -> pb.GenerateRequest:
     unknown = set(options) - set(OPTIONS)
@@ -42,6 +43,8 @@ def build_request(
     )
     if request_id is not None:
         request.request_id = request_id
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
     if messages is not None:
         request.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     if prompt is not None:

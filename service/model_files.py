@@ -3,6 +3,7 @@ manifest and tokenizer files. The engine and bench/ both read a model through it
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,16 @@ class ModelFiles:
     @property
     def ir(self) -> Path:
         return self.path / IR_FILE
+
+    @property
+    def digest(self) -> str:
+        """What identifies the IR's content: the digest conversion recorded, else the manifest's own bytes
+        (unique per conversion), else the IR's graph file."""
+        recorded = self.manifest.get("ir_digest")
+        if recorded:
+            return str(recorded)
+        source = self.path / "manifest.json" if self.manifest else self.ir
+        return "sha256:" + hashlib.sha256(source.read_bytes()).hexdigest()
 
     @property
     def model_id(self) -> str:

@@ -106,6 +106,15 @@ class ModelRunner:
     def _cache_inputs(self) -> list[ov.Output]:
         return [i for i in self.compiled.inputs if i.get_any_name().startswith(KV_CACHE_PREFIXES)]
 
+    @property
+    def cache_format(self) -> str:
+        """What a KV block holds, as text: the runtime's version and each cache input's block shape and type."""
+        ports = ", ".join(
+            f"{p.get_any_name()}:{p.get_element_type().get_type_name()}{list(p.get_partial_shape())[1:]}"
+            for p in self._cache_inputs()
+        )
+        return f"openvino {ov.get_version()}; {ports}"
+
     def _cache_layout(self) -> tuple[int, int]:
         block_size = 0
         bytes_per_block = 0

@@ -137,7 +137,9 @@ class GenerationServicer:
                 ids, field = prompt_input(engine.tokenizer, request)
                 params = sampling_params(request)
                 last_token = None
-                stream = engine.generate(ids, params, label, context.time_remaining(), prompt_field=field)
+                stream = engine.generate(
+                    ids, params, label, context.time_remaining(), prompt_field=field, cache_salt=request.cache_salt
+                )
                 try:
                     async for out in stream:
                         if out.token_ids:

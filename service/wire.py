@@ -21,7 +21,7 @@ from service.tokenizer import Tokenizer
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
-_NOT_OPTIONS = ("request_id", "prompt")
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt")
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto SamplingParams; unset ones keep
 # the server's defaults.

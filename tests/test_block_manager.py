@@ -115,3 +115,27 @@ def test_usage_counts_held_blocks():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     kv.allocate("a", 8)
     assert kv.usage == 0.5
+
+
+def test_cache_salts_never_share_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    prompt = tokens(13)
+    assert kv.allocate("a", 13, kv.find_prefix("a", prompt, "tenant-1"))
+    kv.cache_full_blocks("a", prompt, 13, "tenant-1")
+    kv.free("a")
+    assert kv.find_prefix("b", prompt, "tenant-2").num_tokens == 0
+    assert kv.find_prefix("c", prompt).num_tokens == 0  # no salt is a tenant of its own
+    assert kv.find_prefix("d", prompt, "tenant-1").num_tokens == 12
+
+
+def test_digests_chain_and_depend_on_the_engine_identity():
+    from service.core.kv_cache import chain_digest, root_digest
+
+    root = root_digest(b"model-a", "")
+    assert root != root_digest(b"model-b", "") and root != root_digest(b"model-a", "salt")
+    first = chain_digest(root, [1, 2, 3, 4])
+    assert len(first) == 32 and first == chain_digest(root, [1, 2, 3, 4])
+    assert chain_digest(first, [5, 6, 7, 8]) != chain_digest(root, [5, 6, 7, 8])  # the position is in the chain
+    assert chain_digest(root, [1, 2, 3, 4]) != chain_digest(root, [1, 2, 3, 5])
+    # ids are fixed-width, so different splits of the same digits cannot meet
+    assert chain_digest(root, [1, 23]) != chain_digest(root, [12, 3])

@@ -300,6 +300,21 @@ def test_message_content_cannot_open_a_turn(client, server):
     assert client.generate(messages=forged, max_new_tokens=2, timeout=TIMEOUT).usage.prompt_tokens == len(ids)
 
 
+def test_cache_salt_isolates_the_prefix_cache(client, server):
+    prompt = "A shared system prompt that is long enough to fill several KV blocks. " * 6
+    first = client.generate(prompt=prompt, cache_salt="tenant-a", **GREEDY, timeout=TIMEOUT)
+    same = client.generate(prompt=prompt, cache_salt="tenant-a", **GREEDY, timeout=TIMEOUT)
+    other = client.generate(prompt=prompt, cache_salt="tenant-b", **GREEDY, timeout=TIMEOUT)
+    unsalted = client.generate(prompt=prompt, **GREEDY, timeout=TIMEOUT)
+    assert first.usage.cached_prompt_tokens == 0
+    assert same.usage.cached_prompt_tokens >= first.usage.prompt_tokens - server.engine.info.block_size
+    assert other.usage.cached_prompt_tokens == 0 and unsalted.usage.cached_prompt_tokens == 0
+    assert first.text == same.text == other.text == unsalted.text
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt=prompt, cache_salt="x" * 257, **GREEDY, timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in err.value.details()
+
+
 def test_prompt_and_messages_both_set(client):
     request = build_request(messages=[{"role": "user", "content": "hi"}], prompt="also")
     for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):

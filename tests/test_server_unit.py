@@ -288,7 +288,9 @@ class FakeEngine:
 
         return EngineStats(num_running=len(self.live), num_total_blocks=4, num_free_blocks=4 - len(self.live))
 
-    async def generate(self, ids, params, request_id=None, timeout=None, prompt_field="prompt_token_ids"):
+    async def generate(
+        self, ids, params, request_id=None, timeout=None, prompt_field="prompt_token_ids", cache_salt=""
+    ):
         if ids[0] == 99:
             raise ZeroDivisionError("a bug")
         params.validate(INFO.max_new_tokens_limit, INFO.vocab_size)

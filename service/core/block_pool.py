@@ -1,4 +1,4 @@
-"""KV-cache blocks: reference counts, a free list in eviction order, and the prefix-cache hash map.
+"""KV-cache blocks: reference counts, a free list in eviction order, and the prefix-cache digest map.
 
 The pool is mechanics only; which request holds which blocks is the KV cache manager's business.
 """
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and its content is known
+    digest: bytes | None = None  # set once the block is full and its content is known
 
 
 class BlockPool:
-    """Owns every block. A free block may still hold cached content (hash set) until it is reused.
+    """Owns every block. A free block may still hold cached content (digest set) until it is reused.
 
     Free blocks sit in an OrderedDict in eviction order: blocks without content first, then cached
     blocks from least to most recently freed. Every operation is O(1).
@@ -28,7 +28,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self._cached: dict[int, Block] = {}
+        self._cached: dict[bytes, Block] = {}
         self.num_evictions = 0
 
     @property
@@ -48,20 +48,20 @@ class BlockPool:
         if not self._free:
             return None
         _, block = self._free.popitem(last=False)
-        if block.hash is not None:
-            del self._cached[block.hash]
-            block.hash = None
+        if block.digest is not None:
+            del self._cached[block.digest]
+            block.digest = None
             self.num_evictions += 1
         block.ref_count = 1
         return block
 
-    def lookup(self, block_hash: int) -> Block | None:
-        return self._cached.get(block_hash)
+    def lookup(self, digest: bytes) -> Block | None:
+        return self._cached.get(digest)
 
     def acquire(self, block: Block) -> None:
         """Add a reference to a cached block, taking it off the free list if nobody held it.
 
-        Its hash is kept: reusing a freed-but-cached block must not lose the cache entry.
+        Its digest is kept: reusing a freed-but-cached block must not lose the cache entry.
         """
         if block.ref_count == 0:
             del self._free[block.block_id]
@@ -72,12 +72,12 @@ class BlockPool:
         assert block.ref_count >= 0, f"block {block.block_id} released more often than acquired"
         if block.ref_count == 0:
             self._free[block.block_id] = block
-            if block.hash is None:  # nothing worth keeping: reuse it before any cached block
+            if block.digest is None:  # nothing worth keeping: reuse it before any cached block
                 self._free.move_to_end(block.block_id, last=False)
 
-    def cache(self, block: Block, block_hash: int) -> None:
-        """Record a full block's content hash. An identical block already cached keeps the entry."""
-        if block.hash is not None or block_hash in self._cached:
+    def cache(self, block: Block, digest: bytes) -> None:
+        """Record a full block's content digest. An identical block already cached keeps the entry."""
+        if block.digest is not None or digest in self._cached:
             return
-        block.hash = block_hash
-        self._cached[block_hash] = block
+        block.digest = digest
+        self._cached[digest] = block

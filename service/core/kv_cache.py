@@ -1,15 +1,33 @@
 """Per-request block tables over the block pool, with automatic prefix caching.
 
-A full block's hash chains the previous block's hash with its own tokens, so equal hashes mean
-equal prefixes. A prompt whose leading full blocks are cached skips computing them.
+A full block's digest chains the previous block's digest with its own tokens (blake2b-256), so equal
+digests mean equal prefixes. The chain starts from a root made of the engine's identity (the model and
+every setting that changes what a block holds) and the request's cache salt: blocks of another model,
+configuration or tenant can never match, and a crafted prompt cannot collide with another's blocks. A
+prompt whose leading full blocks are cached skips computing them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.core.block_pool import Block, BlockPool
+
+DIGEST_BYTES = 32
+
+
+def chain_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The digest of a full block: blake2b-256 over its parent's digest and its token ids (little-endian u32)."""
+    return hashlib.blake2b(parent + struct.pack(f"<{len(token_ids)}I", *token_ids), digest_size=DIGEST_BYTES).digest()
+
+
+def root_digest(identity: bytes, cache_salt: str) -> bytes:
+    """Where a request's chain starts: the engine's identity, then the tenant's salt ("" when none)."""
+    salt = cache_salt.encode()
+    return hashlib.blake2b(identity + struct.pack("<I", len(salt)) + salt, digest_size=DIGEST_BYTES).digest()
 
 
 @dataclass
@@ -19,12 +37,15 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, identity: bytes = b""
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.identity = identity
         self._tables: dict[int, list[Block]] = {}
-        self._hashes: dict[int, list[int]] = {}  # hashes of each request's full blocks, computed once
+        self._digests: dict[int, list[bytes]] = {}  # digests of each request's full blocks, computed once
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
 
@@ -47,14 +68,14 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache ----------------------------------------------------------------------------------
-    def find_prefix(self, request_id: int, token_ids: Sequence[int]) -> PrefixHit:
+    def find_prefix(self, request_id: int, token_ids: Sequence[int], cache_salt: str = "") -> PrefixHit:
         """Longest cached run of full blocks at the start of token_ids, capped at len(token_ids) - 1
         tokens because the last token must be computed to get logits. Takes no references."""
         hit = PrefixHit([], 0)
         if not self.enable_prefix_caching:
             return hit
-        for block_hash in self._full_block_hashes(request_id, token_ids):
-            block = self.pool.lookup(block_hash)
+        for digest in self._full_block_digests(request_id, token_ids, cache_salt):
+            block = self.pool.lookup(digest)
             if block is None:
                 break
             hit.blocks.append(block)
@@ -63,13 +84,13 @@ class KVCacheManager:
         hit.num_tokens = len(hit.blocks) * self.block_size
         return hit
 
-    def _full_block_hashes(self, request_id: int, token_ids: Sequence[int]) -> list[int]:
-        hashes = self._hashes.setdefault(request_id, [])
+    def _full_block_digests(self, request_id: int, token_ids: Sequence[int], cache_salt: str) -> list[bytes]:
+        digests = self._digests.setdefault(request_id, [])
         bs = self.block_size
-        for i in range(len(hashes), len(token_ids) // bs):
-            parent = hashes[-1] if hashes else 0
-            hashes.append(hash((parent, tuple(token_ids[i * bs : (i + 1) * bs]))))
-        return hashes
+        for i in range(len(digests), len(token_ids) // bs):
+            parent = digests[-1] if digests else root_digest(self.identity, cache_salt)
+            digests.append(chain_digest(parent, token_ids[i * bs : (i + 1) * bs]))
+        return digests
 
     # -- allocation ------------------------------------------------------------------------------------
     def allocate(self, request_id: int, num_tokens: int, prefix: PrefixHit | None = None, keep_free: int = 0) -> bool:
@@ -95,19 +116,21 @@ class KVCacheManager:
             table.append(fresh)
         return True
 
-    def cache_full_blocks(self, request_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_full_blocks(
+        self, request_id: int, token_ids: Sequence[int], num_computed: int, cache_salt: str = ""
+    ) -> None:
         """After a step: register the blocks that the computed tokens have filled."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[request_id]
         num_full = num_computed // self.block_size
-        hashes = self._full_block_hashes(request_id, token_ids[: num_full * self.block_size])
+        digests = self._full_block_digests(request_id, token_ids[: num_full * self.block_size], cache_salt)
         for i in range(num_full):
-            if table[i].hash is None:
-                self.pool.cache(table[i], hashes[i])
+            if table[i].digest is None:
+                self.pool.cache(table[i], digests[i])
 
     def free(self, request_id: int) -> None:
         """Release every block the request holds; tail blocks first so they are evicted first."""
         for block in reversed(self._tables.pop(request_id, [])):
             self.pool.release(block)
-        self._hashes.pop(request_id, None)
+        self._digests.pop(request_id, None)

@@ -17,6 +17,14 @@ MAX_LABEL_CHARS = 128
 LABEL = re.compile(rf"[A-Za-z0-9._:/+=@~-]{{1,{MAX_LABEL_CHARS}}}")
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: str) -> None:
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+
+
 def check_label(label: str) -> None:
     """A client's request_id is echoed and logged: a bounded run of characters that cannot forge a log line."""
     if not LABEL.fullmatch(label):
@@ -46,6 +54,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     label: str = ""
+    cache_salt: str = ""  # requests with different salts never share cached KV blocks
     deadline: float | None = None  # time.monotonic() value
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING

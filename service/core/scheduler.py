@@ -94,7 +94,9 @@ class Scheduler:
         for chunk in plan.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(request.id, request.all_token_ids, request.num_computed_tokens)
+            self.kv.cache_full_blocks(
+                request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
+            )
         finished = []
         now = time.monotonic()
         for request, token_ids in zip(plan.sampled, sampled, strict=True):
@@ -149,7 +151,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, plan: StepPlan) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.kv.find_prefix(request.id, request.all_token_ids)
+            prefix = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             # admit only if every running request can still take one more block: otherwise the next
             # decode step would preempt the newcomer and throw its prefill away

@@ -8,6 +8,8 @@ ever dies, `on_death` is called so that the front can fail every caller and repo
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import queue
 import threading
@@ -69,7 +71,12 @@ class EngineCore:
         capacity = self.runner.num_blocks * self.runner.block_size
         context = model.context_length or capacity
         self.max_model_len = min(config.max_model_len or context, context, capacity)
-        self.kv = KVCacheManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            self.runner.block_size,
+            config.enable_prefix_caching,
+            identity=kv_identity(model, config, self.runner.cache_format),
+        )
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.info = ModelInfo(
             model_id=model.model_id,
@@ -290,6 +297,20 @@ class EngineCore:
             update_seconds_total=s.update_seconds_total + seconds.get("update", 0.0),
             step_seconds_total=s.step_seconds_total + (clock.total if clock else 0.0),
         )
+
+
+def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:
+    """Everything that changes what a KV block holds: the model's content, the cache's format (runtime,
+    precision, block shape) and the settings that change the numbers written (dynamic quantization, the
+    single-token copy). Thread counts are left out: they change only the order of sums."""
+    parts = {
+        "model": model.digest,
+        "cache_format": cache_format,
+        "kv_cache_precision": config.kv_cache_precision,
+        "dq_group_size": config.dq_group_size,
+        "fast_single_stream": config.fast_single_stream,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).digest()
 
 
 class _StageClock:

@@ -22,7 +22,7 @@ from service.core.config import EngineConfig
 from service.core.detokenizer import IncrementalDetokenizer
 from service.core.outputs import FinishReason, RequestOutput, Timings, Usage
 from service.core.params import SamplingParams
-from service.core.request import Request, check_label
+from service.core.request import Request, check_cache_salt, check_label
 from service.core.stats import EngineStats, ModelInfo
 from service.engine.core import EngineCore, EngineOutput
 from service.errors import DeadlineExceeded, InvalidArgument, QueueFull, Unavailable
@@ -87,10 +87,12 @@ class Engine:
         request_id: str | None = None,
         timeout: float | None = None,
         prompt_field: str = "prompt_token_ids",
+        cache_salt: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request; the last has finish_reason, usage and timings. Closing the
-        stream early aborts the request. prompt_field names the input the caller sent, for errors."""
-        request = self._make_request(prompt_token_ids, params, request_id, timeout, prompt_field)
+        stream early aborts the request. prompt_field names the input the caller sent, for errors;
+        requests with different cache_salt never share cached KV blocks."""
+        request = self._make_request(prompt_token_ids, params, request_id, timeout, prompt_field, cache_salt)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.id] = stream
         finished = False
@@ -134,10 +136,12 @@ class Engine:
         label: str | None,
         timeout: float | None,
         prompt_field: str,
+        cache_salt: str,
     ) -> Request:
         """Validate everything a caller sent; the request is the engine thread's once submitted."""
         if label is not None:
             check_label(label)
+        check_cache_salt(cache_salt)
         if not self._accepting:
             raise Unavailable("the engine is not serving (loading, stopped or draining)")
         if not prompt:
@@ -165,7 +169,9 @@ class Engine:
             )
         params = replace(params, eos_token_ids=self.info.eos_token_ids)
         deadline = time.monotonic() + timeout if timeout is not None else None
-        return Request(next(self._ids), list(prompt), params, label or uuid.uuid4().hex, deadline)
+        return Request(
+            next(self._ids), list(prompt), params, label or uuid.uuid4().hex, cache_salt=cache_salt, deadline=deadline
+        )
 
     # -- engine thread ---------------------------------------------------------------------------------
     def _publish(self, outputs: list[EngineOutput]) -> None:
