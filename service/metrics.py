@@ -91,5 +91,7 @@ class EngineCollector:
             ("ovserve_generated_tokens", "Tokens generated", s.num_generated_tokens),
             ("ovserve_failed_steps", "Engine steps that raised (their requests failed)", s.num_failed_steps),
             ("ovserve_prefix_cache_evictions", "Cached KV blocks reused for new content", s.num_cache_evictions),
+            ("ovserve_spec_draft_tokens", "Draft tokens verified (speculative decoding)", s.num_draft_tokens),
+            ("ovserve_spec_accepted_tokens", "Draft tokens the model agreed with", s.num_accepted_tokens),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -32,7 +32,7 @@ class StepInput:
     token_ids: Sequence[int]
     past_len: int
     block_ids: Sequence[int]
-    sample: bool  # whether its last token's logits are wanted
+    num_logits: int  # logits rows wanted: of its last num_logits tokens (0: none, 1: the last token)
 
 
 def available_cpus() -> int:
@@ -134,7 +134,7 @@ class ModelRunner:
                 request.set_tensor(port.get_any_name(), tensor)
 
     def execute(self, seqs: Sequence[StepInput]) -> np.ndarray:
-        """Run one step; returns the logits of the sampled sequences, in order, [num_sampled, vocab]."""
+        """Run one step; returns the wanted logits rows of every sequence, in order, [sum of num_logits, vocab]."""
         input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64)
         positions = np.concatenate([np.arange(s.past_len, s.past_len + len(s.token_ids)) for s in seqs])
         lengths = np.array([len(s.token_ids) for s in seqs], dtype=np.int32)
@@ -144,7 +144,10 @@ class ModelRunner:
         np.cumsum([len(s.block_ids) for s in seqs], out=block_begins[1:])
         block_ids = np.fromiter((b for s in seqs for b in s.block_ids), dtype=np.int32)
         past_lens = np.array([s.past_len for s in seqs], dtype=np.int32)
-        sampled = np.array([begins[i + 1] - 1 for i, s in enumerate(seqs) if s.sample], dtype=np.int64)
+        sampled = np.array(
+            [row for i, s in enumerate(seqs) for row in range(begins[i + 1] - s.num_logits, begins[i + 1])],
+            dtype=np.int64,
+        )
         if sampled.size == 0:  # a step of prompt chunks only: compute one row and drop it
             sampled = np.array([0], dtype=np.int64)
         inputs = {
@@ -162,8 +165,8 @@ class ModelRunner:
             request = self.single_token_request
         request.infer(inputs, share_inputs=True)
         logits = request.get_output_tensor(0).data
-        num_sampled = sum(1 for s in seqs if s.sample)
-        return logits[:num_sampled, -1, :]
+        num_rows = sum(s.num_logits for s in seqs)
+        return logits[:num_rows, -1, :]
 
 
 def _gather_before_lm_head(model: ov.Model) -> None:

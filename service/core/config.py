@@ -39,6 +39,15 @@ class EngineConfig:
     max_queue: int = setting(256, "requests waiting beyond the running ones before RESOURCE_EXHAUSTED")
     batch_window_ms: float = setting(0.0, "wait this long after an arrival to gather a burst into one step")
     enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
+    speculative_tokens: int = setting(
+        0,
+        "draft tokens proposed per decoding request by prompt lookup and verified in the same step (greedy "
+        "requests without penalties); 0 turns speculation off",
+    )
+    speculative_ngram: int = setting(3, "longest n-gram of a request's tokens that prompt lookup matches")
+    speculative_max_seqs: int = setting(
+        4, "speculate only while at most this many requests run: a larger batch already reads each weight for many"
+    )
     kernel_cache_shapes: int = setting(
         64,
         "step shapes whose prepared kernels the CPU plugin keeps (its runtime cache and oneDNN's primitive "
@@ -58,5 +67,8 @@ class EngineConfig:
             (self.max_queue >= 0, "max_queue must be >= 0"),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
             (self.kernel_cache_shapes >= 1, "kernel_cache_shapes must be at least 1"),
+            (self.speculative_tokens >= 0, "speculative_tokens must be >= 0"),
+            (self.speculative_ngram >= 1, "speculative_ngram must be at least 1"),
+            (self.speculative_max_seqs >= 1, "speculative_max_seqs must be at least 1"),
         ]
         return [message for ok, message in checks if not ok]

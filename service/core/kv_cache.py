@@ -129,6 +129,12 @@ class KVCacheManager:
             if table[i].digest is None:
                 self.pool.cache(table[i], digests[i])
 
+    def trim(self, request_id: int, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens (rejected draft tokens' positions)."""
+        table = self._tables[request_id]
+        while len(table) > self.blocks_needed(num_tokens):
+            self.pool.release(table.pop())
+
     def free(self, request_id: int) -> None:
         """Release every block the request holds; tail blocks first so they are evicted first."""
         for block in reversed(self._tables.pop(request_id, [])):

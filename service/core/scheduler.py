@@ -23,19 +23,31 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
+from service.core.speculative import PromptLookup, Proposer
 from service.core.stop import stop_reason
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """num_tokens tokens of request, starting at position start; sample is True when the chunk
-    reaches the request's last token (as planned), so its logits row is sampled."""
+    """num_tokens tokens of request from position start: its own tokens, then any draft tokens to verify.
+    sample is True when the chunk reaches the request's last token, so its logits are wanted: one row,
+    or one per draft plus one."""
 
     request: Request
     start: int
     num_tokens: int
     block_ids: list[int]
     sample: bool
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def token_ids(self) -> list[int]:
+        own = self.request.all_token_ids[self.start : self.start + self.num_tokens - len(self.drafts)]
+        return [*own, *self.drafts]
+
+    @property
+    def num_logits(self) -> int:
+        return 1 + len(self.drafts) if self.sample else 0
 
 
 @dataclass
@@ -55,8 +67,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, proposer: Proposer | None = None
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
+        self.speculative_tokens = config.speculative_tokens
+        self.speculative_max_seqs = config.speculative_max_seqs
+        self.proposer = proposer or PromptLookup(config.speculative_ngram)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv
@@ -64,6 +81,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def add(self, request: Request) -> None:
         if request.id in self.requests:
@@ -89,42 +108,58 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
         """Record a step's outcome: the plan's chunks were computed, and plan.sampled[i] was given the
-        tokens sampled[i] (one token, or a run of accepted ones). Applies the stop rules after each token
-        (tokens after a stop are dropped) and finishes what stopped. Returns the finished requests."""
+        tokens sampled[i] (one token, or for a chunk with drafts the accepted drafts and the model's own
+        token). Applies the stop rules after each token (tokens after a stop are dropped), rolls back the
+        positions of rejected drafts, and finishes what stopped. Returns the finished requests."""
+        runs = dict(zip(plan.sampled, sampled, strict=True))
+        finished = []
+        now = time.monotonic()
         for chunk in plan.chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
+            reason = self._append(request, runs.get(request, ()), now)
+            if chunk.drafts:
+                # computed: the fed token and the accepted drafts; the positions of rejected ones are
+                # recomputed, and blocks past the new length are given back
+                self.num_draft_tokens += len(chunk.drafts)
+                self.num_accepted_tokens += len(runs[request]) - 1
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv.trim(request.id, request.num_tokens)
+            else:
+                request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_full_blocks(
                 request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
             )
-        finished = []
-        now = time.monotonic()
-        for request, token_ids in zip(plan.sampled, sampled, strict=True):
-            if request.first_token_time is None:
-                request.first_token_time = now
-            for token_id in token_ids:
-                request.append_token(token_id)
-                reason = stop_reason(request, self.max_model_len)
-                if reason is not None:
-                    self.finish(request, reason)
-                    finished.append(request)
-                    break
+            if reason is not None:
+                self.finish(request, reason)
+                finished.append(request)
         return finished
+
+    def _append(self, request: Request, token_ids: Sequence[int], now: float) -> FinishReason | None:
+        if token_ids and request.first_token_time is None:
+            request.first_token_time = now
+        for token_id in token_ids:
+            request.append_token(token_id)
+            reason = stop_reason(request, self.max_model_len)
+            if reason is not None:
+                return reason
+        return None
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         self._drop_expired(plan)
         budget = self.max_num_batched_tokens
+        speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, plan):
+            drafts = self._drafts(request, budget - num_new) if speculate and num_new == 1 else ()
+            if not self._allocate_or_preempt(request, num_new + len(drafts), plan):
                 continue
-            plan.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+            plan.chunks.append(self._chunk(request, num_new, drafts))
+            budget -= num_new + len(drafts)
         if not plan.preempted:
             self._admit_waiting(budget, plan)
         return plan
@@ -168,11 +203,32 @@ class Scheduler:
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(
-            request, start, num_new, self.kv.block_ids(request.id), sample=start + num_new == request.num_tokens
+            request,
+            start,
+            num_new + len(drafts),
+            self.kv.block_ids(request.id),
+            sample=start + num_new == request.num_tokens,
+            drafts=drafts,
         )
+
+    def _drafts(self, request: Request, room: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request, when it can take them: greedy without penalties, logprobs or
+        a pending min_new_tokens (its verification is an argmax per position), within its token limits."""
+        p = request.params
+        if not p.greedy or p.logprobs or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            return ()
+        if request.num_output_tokens < p.min_new_tokens:
+            return ()
+        k = min(
+            self.speculative_tokens,
+            room,
+            p.max_new_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return tuple(self.proposer.propose(request.all_token_ids, k)[:k]) if k > 0 else ()
 
     def _drop_expired(self, plan: StepPlan) -> None:
         now = time.monotonic()

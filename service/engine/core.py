@@ -17,12 +17,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
 from service.core.sampler import sample
 from service.core.scheduler import Scheduler, StepPlan
+from service.core.speculative import accept_greedy
 from service.core.stats import EngineStats, ModelInfo
 from service.errors import DeadlineExceeded, EngineFailure, ServiceError, Unavailable
 from service.model_files import ModelFiles
@@ -111,10 +114,10 @@ class EngineCore:
     # -- any thread ------------------------------------------------------------------------------------
     def start(self) -> None:
         """Warm the model up, then start the engine thread."""
-        self.runner.execute([StepInput([0] * 8, 0, [0], True)])
+        self.runner.execute([StepInput([0] * 8, 0, [0], 1)])
         # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
         # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
-        self.runner.execute([StepInput([0], 8, [0], True)])
+        self.runner.execute([StepInput([0], 8, [0], 1)])
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
@@ -206,27 +209,33 @@ class EngineCore:
                 self._publish(outputs)
                 self._fail_step([c.request for c in plan.chunks], exc)
                 return
-        self._update_stats(plan, clock)  # before publishing: callers see fresh stats
+        # before publishing: callers see fresh stats
+        self._update_stats(plan, clock, num_generated=sum(len(o.token_ids) for o in outputs))
         self._publish(outputs)
 
     def _run_plan(self, plan: StepPlan, clock: _StageClock) -> list[EngineOutput]:
-        logits = self.runner.execute(
-            [
-                StepInput(c.request.all_token_ids[c.start : c.start + c.num_tokens], c.start, c.block_ids, c.sample)
-                for c in plan.chunks
-            ]
-        )
+        logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
-        sampled = plan.sampled
-        result = sample(logits, sampled)
+        sampled = [c for c in plan.chunks if c.sample]
+        ends = np.cumsum([c.num_logits for c in sampled], dtype=np.int64)
+        plain = [i for i, c in enumerate(sampled) if not c.drafts]
+        result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain])
+        runs: list[list[int]] = [[] for _ in sampled]
+        logprobs: list[TokenLogprob | None] = [None] * len(sampled)
+        for i, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
+            runs[i], logprobs[i] = [token_id], logprob
+        for i, chunk in enumerate(sampled):
+            if chunk.drafts:  # greedy verification: the model's own token at each of its k+1 positions
+                rows = logits[ends[i] - chunk.num_logits : ends[i]]
+                runs[i] = accept_greedy(chunk.drafts, [int(t) for t in np.argmax(rows, axis=-1)])
         clock.lap("sample")
-        num_before = [r.num_output_tokens for r in sampled]
-        self.scheduler.update(plan, [[t] for t in result.token_ids])
+        num_before = [c.request.num_output_tokens for c in sampled]
+        self.scheduler.update(plan, runs)
         clock.lap("update")
         outputs = []
-        for request, n, logprob in zip(sampled, num_before, result.logprobs, strict=True):
-            new = request.output_token_ids[n:]
-            outputs.append(self._output(request, new, [logprob] if logprob is not None and new else []))
+        for chunk, n, logprob in zip(sampled, num_before, logprobs, strict=True):
+            new = chunk.request.output_token_ids[n:]
+            outputs.append(self._output(chunk.request, new, [logprob] if logprob is not None and new else []))
         return outputs
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> None:
@@ -270,7 +279,9 @@ class EngineCore:
         out.finish_reason, out.error = None, error
         return out
 
-    def _update_stats(self, plan: StepPlan | None = None, clock: _StageClock | None = None) -> None:
+    def _update_stats(
+        self, plan: StepPlan | None = None, clock: _StageClock | None = None, num_generated: int = 0
+    ) -> None:
         """Publish a fresh snapshot; callers on other threads read it without locks."""
         s = self._stats
         chunks = plan.chunks if plan else []
@@ -285,7 +296,9 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=s.num_prompt_tokens
             + sum(c.num_tokens for c in chunks if c.start < c.request.num_prompt_tokens),
-            num_generated_tokens=s.num_generated_tokens + sum(1 for c in chunks if c.sample),
+            num_generated_tokens=s.num_generated_tokens + num_generated,
+            num_draft_tokens=self.scheduler.num_draft_tokens,
+            num_accepted_tokens=self.scheduler.num_accepted_tokens,
             num_steps=s.num_steps + (plan is not None),
             num_failed_steps=self.num_failed_steps,
             last_step_seconds=clock.total if clock else s.last_step_seconds,
