@@ -14,6 +14,12 @@ import pytest
 from tests.conftest import ROOT, run_cli
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT as a terminal's Ctrl-C finds it: a test runner started in the background (`cmd &` in a script,
+    as CI may be) has SIGINT ignored, every child inherits that, and Python then installs no handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_exporting(source: Path, out: Path) -> subprocess.Popen:
     """A conversion, returned once its export is under way (the line is logged by the worker process)."""
     proc = subprocess.Popen(
@@ -22,6 +28,7 @@ def _start_exporting(source: Path, out: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_as_from_a_terminal,
     )
     deadline = time.time() + 120
     for line in proc.stdout:
