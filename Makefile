@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install proto model serve test test-fast lint typecheck check bench bench-ab bench-4b bench-llamacpp clean
+.PHONY: install proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-ab bench-4b bench-llamacpp clean
 
 install: $(STAMP)
 
@@ -59,6 +59,15 @@ bench-ab: $(STAMP) $(MODEL)/manifest.json
 # The Qwen3-4B shape alone (builds its 4 GB IR once: ~6 min, ~17 GB peak); its own report folder.
 bench-4b: $(STAMP)
 	$(PY) -m bench --quick --only-4b --out bench/results-4b
+
+# Memory outside the KV cache over a soak of mixed requests against a real server (~12 min per variant).
+bench-memory: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.memory_soak --model $(MODEL) --out bench/results-memory \
+		--variant capped --variant plugin-defaults:OVSERVE_KERNEL_CACHE_SHAPES=5000,ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024
+
+# Speculative decoding (prompt lookup) at one stream: ovserve and genai, each with and without, interleaved.
+bench-speculative: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.speculative $(MODEL) --out bench/results-speculative/results.json
 
 # llama.cpp (llama-cpp-python, built from source the first time) against ovserve at one stream, interleaved.
 bench-llamacpp: $(STAMP) $(MODEL)/manifest.json
