@@ -148,3 +148,16 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir):
     fast, stats = greedy_outputs(tiny_qwen3_fp16_ir, prompts, 40, speculative_tokens=4)
     assert fast == plain
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+
+
+def test_drafts_adapt_to_what_the_request_accepts():
+    s = scheduler(k=4)
+    r = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # first token 9: lookup offers 1, 2, 3, 4
+    plan = s.schedule()
+    assert len(plan.chunks[0].drafts) == 4
+    s.update(plan, [[5]])  # the model rejects the first draft
+    assert r.max_drafts == 1
+    plan = s.schedule()
+    assert len(plan.chunks[0].drafts) == 1
+    s.update(plan, [[*plan.chunks[0].drafts, 5]])  # accepted in full: offer more again
+    assert r.max_drafts == 2

@@ -61,6 +61,7 @@ class Request:
     finish_reason: FinishReason | None = None  # set when it finished normally (not on errors or expiry)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    max_drafts: int | None = None  # speculative decoding: drafts to offer next, adapted to its acceptance
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)

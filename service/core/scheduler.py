@@ -120,8 +120,13 @@ class Scheduler:
             if chunk.drafts:
                 # computed: the fed token and the accepted drafts; the positions of rejected ones are
                 # recomputed, and blocks past the new length are given back
+                accepted = len(runs[request]) - 1
                 self.num_draft_tokens += len(chunk.drafts)
-                self.num_accepted_tokens += len(runs[request]) - 1
+                self.num_accepted_tokens += accepted
+                # offer more after a full acceptance, and after a miss only what was accepted plus one:
+                # a request whose text does not follow its input soon costs one draft per step
+                full = accepted == len(chunk.drafts)
+                request.max_drafts = min(self.speculative_tokens, 2 * accepted) if full else accepted + 1
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request.id, request.num_tokens)
             else:
@@ -223,7 +228,7 @@ class Scheduler:
         if request.num_output_tokens < p.min_new_tokens:
             return ()
         k = min(
-            self.speculative_tokens,
+            self.speculative_tokens if request.max_drafts is None else request.max_drafts,
             room,
             p.max_new_tokens - request.num_output_tokens - 1,
             self.max_model_len - request.num_tokens - 1,
