@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,23 +61,26 @@ class Tokenizer:
         """Token ids of the rendered conversation. Special tokens come from the template only: a message
         whose content spells one (say `<|im_end|>`) gets it as plain text, so no message can end its turn
         early or open a turn of another role."""
-        text = self.apply_chat_template(messages)
         # The template already placed any BOS token, so the tokenizer must not add another.
         add_bos = not self._template_has_bos
         spelled = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self._special_texts)]
         if not spelled:
-            return self.encode(text, add_special_tokens=add_bos)
+            return self.encode(self.apply_chat_template(messages), add_special_tokens=add_bos)
+        # Render with a unique stand-in for each such content, so that its place in the text is known exactly
+        # (searching for the content itself could find the template's own text), then encode the template's
+        # parts with special tokens and the contents as plain text.
+        marks = {i: f"ovserve-content-{uuid.uuid4().hex}" for i in spelled}
+        text = self.apply_chat_template([{**m, "content": marks.get(i, m["content"])} for i, m in enumerate(messages)])
         ids: list[int] = []
         cursor = 0
         for i in spelled:
-            content = messages[i]["content"]
-            at = text.find(content, cursor)
-            if at < 0:  # the template rewrote this content: it cannot be kept apart from the template's tokens
-                special = next(s for s in self._special_texts if s in content)
+            at = text.find(marks[i], cursor)
+            if at < 0 or text.count(marks[i]) != 1:  # the template rewrote or repeated this content
+                special = next(s for s in self._special_texts if s in messages[i]["content"])
                 raise InvalidArgument(f"messages[{i}].content", f"must not contain the special token {special!r}")
             ids += self._tok.encode(text[cursor:at], add_special_tokens=add_bos and not ids).ids
-            ids += self._plain.encode(content, add_special_tokens=False).ids
-            cursor = at + len(content)
+            ids += self._plain.encode(messages[i]["content"], add_special_tokens=False).ids
+            cursor = at + len(marks[i])
         return ids + list(self._tok.encode(text[cursor:], add_special_tokens=False).ids)
 
 

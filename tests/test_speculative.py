@@ -161,3 +161,21 @@ def test_drafts_adapt_to_what_the_request_accepts():
     assert len(plan.chunks[0].drafts) == 1
     s.update(plan, [[*plan.chunks[0].drafts, 5]])  # accepted in full: offer more again
     assert r.max_drafts == 2
+
+
+def test_drafts_never_preempt_and_leave_others_their_block():
+    s = scheduler(k=3, num_blocks=4)
+    s.speculative_tokens = 0  # set the scene without drafts
+    a = Request(next(IDS), [1, 2, 1, 2, 1, 2], SamplingParams())
+    s.add(a)
+    s.update(s.schedule(), [[1]])
+    b = Request(next(IDS), [50, 51, 52, 53], SamplingParams())
+    s.add(b)
+    s.update(s.schedule(), [[2], [54]])
+    # a: 8 tokens in 2 full blocks; b: 5 tokens, its 5th needs a second block; one block is free
+    assert (a.num_tokens, b.num_tokens, s.kv.pool.num_free) == (8, 5, 1)
+    s.speculative_tokens = 3
+    plan = s.schedule()
+    assert s.num_preemptions == 0 and not plan.preempted
+    assert [c.request for c in plan.chunks] == [a, b]
+    assert plan.chunks[0].drafts == ()  # the free block is b's to grow into, not a's drafts'

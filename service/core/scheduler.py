@@ -160,9 +160,14 @@ class Scheduler:
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, budget - num_new) if speculate and num_new == 1 else ()
-            if not self._allocate_or_preempt(request, num_new + len(drafts), plan):
+            if not self._allocate_or_preempt(request, num_new, plan):
                 continue
+            drafts = self._drafts(request, budget - num_new) if speculate and num_new == 1 else ()
+            # drafts only take blocks that are spare: never preempt for them, and leave every other running
+            # request its block to grow into
+            target = request.num_computed_tokens + num_new + len(drafts)
+            if drafts and not self.kv.allocate(request.id, target, keep_free=len(self.running) - 1):
+                drafts = ()
             plan.chunks.append(self._chunk(request, num_new, drafts))
             budget -= num_new + len(drafts)
         if not plan.preempted:

@@ -149,6 +149,7 @@ class EngineCore:
                     break
                 if self.scheduler.has_work():
                     self.step()
+            self.alive = False  # before the last drain: nothing submitted from now on can be missed
             self._fail_everything(Unavailable("the server is shutting down"))
         except BaseException as exc:  # the loop itself broke: nothing here can be trusted any more
             self.alive = False
@@ -163,15 +164,19 @@ class EngineCore:
         except queue.Empty:
             return
         added = self._apply(command)
+        self._drain_commands()
+        if added and self.config.batch_window_ms > 0 and not self.scheduler.running:
+            time.sleep(self.config.batch_window_ms / 1000)  # gather a burst of arrivals into one step, once
+            self._drain_commands()
+        self._update_stats()
+
+    def _drain_commands(self) -> None:
         while True:
             try:
-                added |= self._apply(self._commands.get_nowait())
+                command = self._commands.get_nowait()
             except queue.Empty:
-                break
-        if added and self.config.batch_window_ms > 0 and not self.scheduler.running:
-            time.sleep(self.config.batch_window_ms / 1000)  # gather a burst of arrivals into one step
-            self._take_commands(block=False)
-        self._update_stats()
+                return
+            self._apply(command)
 
     def _apply(self, command: Command) -> bool:
         if isinstance(command, Request):
@@ -193,12 +198,15 @@ class EngineCore:
         """Plan, run, sample and record one step. An exception at any stage fails exactly the requests of
         this step (INTERNAL, blocks freed); the engine goes on with the others."""
         clock = _StageClock()
+        # what a plan could hold: the running requests and the first waiting one (taken before planning,
+        # which may preempt a running request to the front of the queue)
+        candidates = [*self.scheduler.running, *list(self.scheduler.waiting)[:1]]
         try:
             plan = self.scheduler.schedule()
         except Exception as exc:
             # The plan is lost: fail what it could have held. Each such failure removes at least one
             # request, so a request that breaks planning cannot make the engine loop.
-            self._fail_step([*self.scheduler.running, *list(self.scheduler.waiting)[:1]], exc)
+            self._fail_step(candidates, exc)
             return
         clock.lap("schedule")
         outputs = [self._error(r, DeadlineExceeded("the request's deadline passed")) for r in plan.expired]

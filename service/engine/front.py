@@ -65,6 +65,9 @@ class Engine:
     def shutdown(self) -> None:
         self._accepting = False
         self.core.stop()
+        # a request submitted while the engine thread made its last drain has nobody left to answer it
+        error = Unavailable("the server is shutting down")
+        self._publish([EngineOutput(request_id, error=error) for request_id in list(self._streams)])
 
     @property
     def alive(self) -> bool:
