@@ -15,8 +15,6 @@ from service.errors import InvalidArgument
 
 MAX_LABEL_CHARS = 128
 LABEL = re.compile(rf"[A-Za-z0-9._:/+=@~-]{{1,{MAX_LABEL_CHARS}}}")
-
-
 MAX_CACHE_SALT_CHARS = 256
 
 

@@ -163,20 +163,21 @@ class EngineCore:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
-        added = self._apply(command)
-        self._drain_commands()
+        added = self._apply(command) | self._drain_commands()
         if added and self.config.batch_window_ms > 0 and not self.scheduler.running:
             time.sleep(self.config.batch_window_ms / 1000)  # gather a burst of arrivals into one step, once
             self._drain_commands()
         self._update_stats()
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> bool:
+        """Apply every command already queued; True if any added a request."""
+        added = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
-            self._apply(command)
+                return added
+            added |= self._apply(command)
 
     def _apply(self, command: Command) -> bool:
         if isinstance(command, Request):
@@ -258,17 +259,11 @@ class EngineCore:
         self._publish(outputs)
 
     def _fail_everything(self, error: ServiceError) -> None:
+        self._drain_commands()  # what was submitted after the last command was taken fails too
         outputs = []
         for request in list(self.scheduler.requests.values()):
             self.scheduler.finish(request)
             outputs.append(self._error(request, error))
-        while True:  # submitted after the last command was taken
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(command, Request):
-                outputs.append(self._error(command, error))
         self._publish(outputs)
 
     def _output(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob]) -> EngineOutput:

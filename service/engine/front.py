@@ -66,8 +66,7 @@ class Engine:
         self._accepting = False
         self.core.stop()
         # a request submitted while the engine thread made its last drain has nobody left to answer it
-        error = Unavailable("the server is shutting down")
-        self._publish([EngineOutput(request_id, error=error) for request_id in list(self._streams)])
+        self._fail_streams(Unavailable("the server is shutting down"))
 
     @property
     def alive(self) -> bool:
@@ -192,13 +191,16 @@ class Engine:
     def _core_died(self, exc: BaseException) -> None:
         self._accepting = False
         self.died = True
-        error = Unavailable("the engine stopped unexpectedly; retry on another replica")
-        self._publish([EngineOutput(request_id, error=error) for request_id in list(self._streams)])
+        self._fail_streams(Unavailable("the engine stopped unexpectedly; retry on another replica"))
         for listener in self._death_listeners:
             try:
                 listener()
             except Exception:
                 log.exception("engine death listener failed")
+
+    def _fail_streams(self, error: Unavailable) -> None:
+        """End every stream still waiting with error (from any thread)."""
+        self._publish([EngineOutput(request_id, error=error) for request_id in list(self._streams)])
 
 
 def _deliver(items: list[tuple[_Stream, EngineOutput]]) -> None:
