@@ -60,6 +60,11 @@ def genai_one(pipe, ids: list[int], max_new: int, k: int, ngram: int, lookup: bo
     return int(np.asarray(result.tokens[0]).size) if hasattr(result, "tokens") else len(result.m_generation_ids[0])
 
 
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median of the per-prompt ratios a[i] / b[i]."""
+    return median(x / y for x, y in zip(a, b, strict=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__)
     p.add_argument("model")
@@ -100,11 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": a.max_new_tokens,
         "tokens_per_s": rates,
         "median_tokens_per_s": {n: median(r) for n, r in rates.items()},
-        "speedup_ours": median(x / y for x, y in zip(rates["ovserve+lookup"], rates["ovserve"], strict=True)),
-        "speedup_genai": median(x / y for x, y in zip(rates["genai+lookup"], rates["genai"], strict=True)),
-        "lookup_vs_genai_lookup": median(
-            x / y for x, y in zip(rates["ovserve+lookup"], rates["genai+lookup"], strict=True)
-        ),
+        "speedup_ours": median_ratio(rates["ovserve+lookup"], rates["ovserve"]),
+        "speedup_genai": median_ratio(rates["genai+lookup"], rates["genai"]),
+        "lookup_vs_genai_lookup": median_ratio(rates["ovserve+lookup"], rates["genai+lookup"]),
         "acceptance": stats.num_accepted_tokens / max(1, stats.num_draft_tokens),
         "identical_replies": f"{same}/{len(ids)}",
     }
