@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-ab bench-4b bench-llamacpp clean
+.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-ab bench-4b bench-llamacpp clean
 
 install: $(STAMP)
 
@@ -32,7 +32,11 @@ $(MODEL)/manifest.json: | $(STAMP)
 serve: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m service --model $(MODEL) --host 127.0.0.1 --port 50051
 
-test: $(STAMP)
+# Debian packages the integration tests drive (scripts/debian-packages.txt); a no-op once installed.
+system-packages:
+	bash scripts/install_debian_packages.sh
+
+test: $(STAMP) system-packages
 	$(PY) -m pytest -q -ra
 
 test-fast: $(STAMP)
