@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from service.core.outputs import RequestOutput
+from service.core.stats import DiskTierStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -95,3 +96,37 @@ class EngineCollector:
             ("ovserve_spec_accepted_tokens", "Draft tokens the model agreed with", s.num_accepted_tokens),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("ovserve_loading_requests", "Requests restoring their prefix from disk", s.num_loading)
+        by_source = CounterMetricFamily(
+            "ovserve_prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from: computed, the RAM prefix cache, or the disk tier",
+            labels=["source"],
+        )
+        by_source.add_metric(["computed"], s.num_prompt_tokens)
+        by_source.add_metric(["ram"], s.num_cached_prompt_tokens)
+        by_source.add_metric(["disk"], s.num_restored_prompt_tokens)
+        yield by_source
+        if s.disk is not None:
+            yield from disk_tier_metrics(s.disk)
+
+
+def disk_tier_metrics(d: DiskTierStats):
+    for name, doc, value in (
+        ("ovserve_kv_disk_enabled", "1 while the disk tier works; 0 after the disk refused a write", d.enabled),
+        ("ovserve_kv_disk_blocks", "KV blocks stored in the disk tier", d.num_blocks),
+        ("ovserve_kv_disk_bytes", "Bytes stored in the disk tier", d.num_bytes),
+    ):
+        yield GaugeMetricFamily(name, doc, value=float(value))
+    counters: tuple[tuple[str, str, float], ...] = (
+        ("ovserve_kv_disk_written_blocks", "KV blocks written to the disk tier", d.num_written),
+        ("ovserve_kv_disk_restored_blocks", "KV blocks restored from the disk tier", d.num_restored),
+        ("ovserve_kv_disk_skipped_blocks", "Full KV blocks not written because writes fell behind", d.num_skipped),
+        ("ovserve_kv_disk_evicted_blocks", "KV blocks removed from the disk tier (size or idle time)", d.num_evicted),
+        ("ovserve_kv_disk_corrupt_blocks", "Disk-tier files removed as truncated, corrupt or foreign", d.num_corrupt),
+        ("ovserve_kv_disk_written_bytes", "Bytes written to the disk tier", d.bytes_written),
+        ("ovserve_kv_disk_read_bytes", "Bytes read from the disk tier", d.bytes_read),
+        ("ovserve_kv_disk_restores", "Requests whose prefix was restored from disk", d.num_restores),
+        ("ovserve_kv_disk_restore_seconds", "Time spent restoring prefixes from disk", d.restore_seconds_total),
+    )
+    for name, doc, total in counters:
+        yield CounterMetricFamily(name, doc, value=total)

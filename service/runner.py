@@ -133,6 +133,11 @@ class ModelRunner:
             for request in requests:
                 request.set_tensor(port.get_any_name(), tensor)
 
+    def cache_arrays(self) -> list[np.ndarray]:
+        """The KV cache tensors as arrays of [num_blocks, ...] sharing their memory, in a fixed order: a
+        block's content is its row of each."""
+        return [self.request.get_tensor(p.get_any_name()).data for p in self._cache_inputs()]
+
     def execute(self, seqs: Sequence[StepInput]) -> np.ndarray:
         """Run one step; returns the wanted logits rows of every sequence, in order, [sum of num_logits, vocab]."""
         input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64)

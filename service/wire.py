@@ -149,6 +149,7 @@ def usage_pb(usage: Usage) -> pb.Usage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens,
+        disk_prompt_tokens=usage.disk_prompt_tokens,
     )
 
 

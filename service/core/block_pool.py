@@ -75,9 +75,10 @@ class BlockPool:
             if block.digest is None:  # nothing worth keeping: reuse it before any cached block
                 self._free.move_to_end(block.block_id, last=False)
 
-    def cache(self, block: Block, digest: bytes) -> None:
-        """Record a full block's content digest. An identical block already cached keeps the entry."""
+    def cache(self, block: Block, digest: bytes) -> bool:
+        """Record a full block's content digest; False when an identical block already holds the entry."""
         if block.digest is not None or digest in self._cached:
-            return
+            return False
         block.digest = digest
         self._cached[digest] = block
+        return True

@@ -39,6 +39,15 @@ class EngineConfig:
     max_queue: int = setting(256, "requests waiting beyond the running ones before RESOURCE_EXHAUSTED")
     batch_window_ms: float = setting(0.0, "wait this long after an arrival to gather a burst into one step")
     enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
+    kv_disk_dir: str | None = setting(
+        None,
+        "folder for the prefix cache's disk tier: full KV blocks are written there as they fill and restored "
+        "instead of recomputed once evicted from RAM or after a restart (default: no disk tier)",
+    )
+    kv_disk_gb: float = setting(10.0, "size of the disk tier in GiB; least recently used blocks are removed first")
+    kv_disk_ttl_seconds: float = setting(
+        0.0, "remove disk-tier blocks unused for this long (0: only when space runs out)"
+    )
     speculative_tokens: int = setting(
         0,
         "draft tokens proposed per decoding request by prompt lookup and verified in the same step (greedy "
@@ -66,6 +75,12 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
+            (self.kv_disk_gb > 0, "kv_disk_gb must be > 0"),
+            (self.kv_disk_ttl_seconds >= 0, "kv_disk_ttl_seconds must be >= 0 (0: no time limit)"),
+            (
+                not self.kv_disk_dir or self.enable_prefix_caching,
+                "kv_disk_dir needs prefix caching: it stores the prefix cache's blocks",
+            ),
             (self.kernel_cache_shapes >= 1, "kernel_cache_shapes must be at least 1"),
             (self.speculative_tokens >= 0, "speculative_tokens must be >= 0"),
             (self.speculative_ngram >= 1, "speculative_ngram must be at least 1"),

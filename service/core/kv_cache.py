@@ -46,6 +46,7 @@ class KVCacheManager:
         self.identity = identity
         self._tables: dict[int, list[Block]] = {}
         self._digests: dict[int, list[bytes]] = {}  # digests of each request's full blocks, computed once
+        self.newly_cached: list[Block] = []  # blocks that entered the cache since take_newly_cached()
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
 
@@ -74,7 +75,7 @@ class KVCacheManager:
         hit = PrefixHit([], 0)
         if not self.enable_prefix_caching:
             return hit
-        for digest in self._full_block_digests(request_id, token_ids, cache_salt):
+        for digest in self.full_block_digests(request_id, token_ids, cache_salt):
             block = self.pool.lookup(digest)
             if block is None:
                 break
@@ -84,7 +85,8 @@ class KVCacheManager:
         hit.num_tokens = len(hit.blocks) * self.block_size
         return hit
 
-    def _full_block_digests(self, request_id: int, token_ids: Sequence[int], cache_salt: str) -> list[bytes]:
+    def full_block_digests(self, request_id: int, token_ids: Sequence[int], cache_salt: str) -> list[bytes]:
+        """The chained digests of token_ids' full blocks (computed once per request, then extended)."""
         digests = self._digests.setdefault(request_id, [])
         bs = self.block_size
         for i in range(len(digests), len(token_ids) // bs):
@@ -124,10 +126,15 @@ class KVCacheManager:
             return
         table = self._tables[request_id]
         num_full = num_computed // self.block_size
-        digests = self._full_block_digests(request_id, token_ids[: num_full * self.block_size], cache_salt)
+        digests = self.full_block_digests(request_id, token_ids[: num_full * self.block_size], cache_salt)
         for i in range(num_full):
-            if table[i].digest is None:
-                self.pool.cache(table[i], digests[i])
+            if table[i].digest is None and self.pool.cache(table[i], digests[i]):
+                self.newly_cached.append(table[i])
+
+    def take_newly_cached(self) -> list[Block]:
+        """The blocks that entered the prefix cache since the last call and still hold that content."""
+        blocks, self.newly_cached = self.newly_cached, []
+        return [b for b in blocks if b.digest is not None]
 
     def trim(self, request_id: int, num_tokens: int) -> None:
         """Give back the blocks past the first num_tokens tokens (rejected draft tokens' positions)."""

@@ -16,7 +16,8 @@ class FinishReason(enum.Enum):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_prompt_tokens: int
+    cached_prompt_tokens: int  # not computed: found in the RAM prefix cache or restored from disk
+    disk_prompt_tokens: int = 0  # of the cached ones, those restored from the disk tier
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ def check_label(label: str) -> None:
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted; its cached prefix is being restored from disk
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -58,7 +59,8 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None  # set when it finished normally (not on errors or expiry)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_cached_tokens: int = 0  # prompt tokens not computed at first admission: found in RAM or restored
+    num_restored_tokens: int = 0  # of those, the ones restored from the disk tier
     max_drafts: int | None = None  # speculative decoding: drafts to offer next, adapted to its acceptance
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -7,6 +7,12 @@ request is admitted only while each running request keeps one free block to grow
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
 (mostly from the prefix cache).
 
+With a disk tier, a waiting request's prefix chain continues past its RAM hit into the disk: the
+blocks found there get pool blocks, and the request waits in the loading state (planned as a load, not
+computed) until loaded() reports how many were restored; then it runs from there like any other
+request. A request whose blocks another request is restoring waits for that load instead of loading
+them twice.
+
 The scheduler owns a request's life on the engine thread: add() takes it in, update() records each
 step's outcome (computed tokens, sampled tokens, stop rules) and finish() takes it out wherever it is,
 freeing its blocks. `requests` holds every request it has not finished.
@@ -18,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
@@ -50,11 +57,33 @@ class ScheduledChunk:
         return 1 + len(self.drafts) if self.sample else 0
 
 
+@dataclass(frozen=True)
+class Load:
+    """Restore the blocks with these digests from disk into block_ids, for request (in the loading state).
+    first: this is the request's first admission, whose usage counts the restored tokens."""
+
+    request: Request
+    digests: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    first: bool
+
+
+class DiskLookup(Protocol):
+    def count_chain(self, digests: Sequence[bytes]) -> int:
+        """How many of digests, from the first on, can be restored."""
+        ...
+
+
 @dataclass
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.chunks or self.expired or self.loads)
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +97,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, kv: KVCacheManager, max_model_len: int, proposer: Proposer | None = None
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        proposer: Proposer | None = None,
+        disk: DiskLookup | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.speculative_tokens = config.speculative_tokens
@@ -80,6 +114,10 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # every request not finished, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.disk = disk
+        self.loading: dict[int, Load] = {}  # by request id; a finished request stays until its load ends
+        self._restoring: set[bytes] = set()  # digests of the blocks being loaded
+        self.num_restored_tokens = 0
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -104,7 +142,31 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
-        self.kv.free(request.id)
+        if request.id not in self.loading:  # blocks being restored into are freed when their load ends
+            self.kv.free(request.id)
+
+    def loaded(self, request_id: int, num_loaded: int) -> None:
+        """The load of a loading request ended with its first num_loaded blocks restored: they join the
+        prefix cache and the request runs from there (the rest of its prompt is computed)."""
+        load = self.loading.pop(request_id, None)
+        if load is None:
+            return
+        self._restoring.difference_update(load.digests)
+        request = load.request
+        if request.status is Status.FINISHED:  # aborted or expired while loading
+            self.kv.free(request.id)
+            return
+        num_restored = num_loaded * self.kv.block_size
+        if load.first:  # usage promised every block; take back what could not be restored
+            missing = (len(load.digests) - num_loaded) * self.kv.block_size
+            request.num_cached_tokens -= missing
+            request.num_restored_tokens -= missing
+        request.num_computed_tokens += num_restored
+        self.num_restored_tokens += num_restored
+        self.kv.cache_full_blocks(request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt)
+        self.kv.trim(request.id, request.num_computed_tokens)
+        request.status = Status.RUNNING
+        self.running.append(request)
 
     def update(self, plan: StepPlan, sampled: Sequence[Sequence[int]]) -> list[Request]:
         """Record a step's outcome: the plan's chunks were computed, and plan.sampled[i] was given the
@@ -194,24 +256,52 @@ class Scheduler:
         plan.chunks = [c for c in plan.chunks if c.request is not request]
 
     def _admit_waiting(self, budget: int, plan: StepPlan) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
+                break
             prefix = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
-            num_new = min(request.num_tokens - prefix.num_tokens, budget)
+            on_disk = self._on_disk(request, prefix.num_tokens)
+            if on_disk is None:
+                continue  # another request is restoring its blocks: they will be in RAM soon
+            num_new = 0 if on_disk else min(request.num_tokens - prefix.num_tokens, budget)
             # admit only if every running request can still take one more block: otherwise the next
             # decode step would preempt the newcomer and throw its prefill away
             keep_free = len(self.running)
-            if not self.kv.allocate(request.id, prefix.num_tokens + num_new, prefix, keep_free):
+            num_tokens = prefix.num_tokens + len(on_disk) * self.kv.block_size + num_new
+            if not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
                 break  # wait for blocks to be freed; first come, first served
-            self.waiting.popleft()
-            request.status = Status.RUNNING
+            self.waiting.remove(request)
             request.num_computed_tokens = prefix.num_tokens
-            if request.first_scheduled_time is None:
+            first = request.first_scheduled_time is None
+            if first:
                 request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = prefix.num_tokens
+                request.num_restored_tokens = len(on_disk) * self.kv.block_size
+                request.num_cached_tokens = prefix.num_tokens + request.num_restored_tokens
+            if on_disk:
+                block_ids = tuple(self.kv.block_ids(request.id)[len(prefix.blocks) :])
+                plan.loads.append(self._start_load(Load(request, on_disk, block_ids, first)))
+                continue
+            request.status = Status.RUNNING
             self.running.append(request)
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+
+    def _on_disk(self, request: Request, num_cached: int) -> tuple[bytes, ...] | None:
+        """Digests of the blocks past the RAM hit that can be restored from disk (never the block of the
+        last token, which must be computed for its logits); None while another load restores some."""
+        if self.disk is None:
+            return ()
+        digests = self.kv.full_block_digests(request.id, request.all_token_ids, request.cache_salt)
+        wanted = digests[num_cached // self.kv.block_size : (request.num_tokens - 1) // self.kv.block_size]
+        if any(d in self._restoring for d in wanted):
+            return None
+        return tuple(wanted[: self.disk.count_chain(wanted)])
+
+    def _start_load(self, load: Load) -> Load:
+        load.request.status = Status.LOADING
+        self.loading[load.request.id] = load
+        self._restoring.update(load.digests)
+        return load
 
     def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -242,7 +332,8 @@ class Scheduler:
 
     def _drop_expired(self, plan: StepPlan) -> None:
         now = time.monotonic()
-        for request in [*self.running, *self.waiting]:
+        loading = [load.request for load in self.loading.values() if load.request.status is Status.LOADING]
+        for request in [*self.running, *self.waiting, *loading]:
             if request.deadline is not None and now >= request.deadline:
                 self.finish(request)
                 plan.expired.append(request)

@@ -22,6 +22,22 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class DiskTierStats:
+    enabled: bool = False  # False once the disk refused a write
+    num_blocks: int = 0
+    num_bytes: int = 0
+    num_written: int = 0
+    num_restored: int = 0  # blocks
+    num_skipped: int = 0  # blocks not written because writes had fallen behind
+    num_evicted: int = 0
+    num_corrupt: int = 0  # files removed as truncated, corrupt or foreign
+    bytes_written: int = 0
+    bytes_read: int = 0
+    num_restores: int = 0  # loads (one per admitted request that restored)
+    restore_seconds_total: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """Published by the engine thread after every step; readers on other threads take it without locks.
     The *_seconds_total counters split the engine thread's time by stage (benchmarks read their deltas)."""
@@ -42,6 +58,10 @@ class EngineStats:
     last_step_seconds: float = 0.0
     tokens_per_step: float = 0.0
     num_cache_evictions: int = 0
+    num_loading: int = 0  # requests waiting for their prefix to be restored from disk
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the RAM prefix cache, not computed
+    num_restored_prompt_tokens: int = 0  # prompt tokens restored from the disk tier, not computed
+    disk: DiskTierStats | None = None  # None without a disk tier
     schedule_seconds_total: float = 0.0
     execute_seconds_total: float = 0.0
     sample_seconds_total: float = 0.0

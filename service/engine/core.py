@@ -2,8 +2,9 @@
 
 Only the engine thread touches the scheduler, the KV cache and the runner. Other threads call
 submit(), abort() and stop(), which put a command on the queue, and stats(), which reads the last
-published snapshot. A failed step fails the requests in it and nothing else; if the thread itself
-ever dies, `on_death` is called so that the front can fail every caller and report unhealthy.
+published snapshot. The disk tier's I/O thread reports finished restores through the same queue. A
+failed step fails the requests in it and nothing else; if the thread itself ever dies, `on_death` is
+called so that the front can fail every caller and report unhealthy.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -26,7 +28,9 @@ from service.core.request import Request
 from service.core.sampler import sample
 from service.core.scheduler import Scheduler, StepPlan
 from service.core.speculative import accept_greedy
-from service.core.stats import EngineStats, ModelInfo
+from service.core.stats import DiskTierStats, EngineStats, ModelInfo
+from service.engine.disk_store import DiskStore
+from service.engine.kv_tier import KVDiskTier, LoadResult
 from service.errors import DeadlineExceeded, EngineFailure, ServiceError, Unavailable
 from service.model_files import ModelFiles
 from service.runner import ModelRunner, StepInput
@@ -45,6 +49,7 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     error: ServiceError | None = None
     num_cached_tokens: int = 0
+    num_restored_tokens: int = 0
     queue_seconds: float = 0.0
 
     @property
@@ -57,7 +62,7 @@ class Abort:
     request_id: int
 
 
-Command = Request | Abort | None  # None only wakes the thread up
+Command = Request | Abort | LoadResult | None  # None only wakes the thread up
 Publish = Callable[[list[EngineOutput]], None]
 
 
@@ -74,13 +79,18 @@ class EngineCore:
         capacity = self.runner.num_blocks * self.runner.block_size
         context = model.context_length or capacity
         self.max_model_len = min(config.max_model_len or context, context, capacity)
+        identity = kv_identity(model, config, self.runner.cache_format)
         self.kv = KVCacheManager(
-            self.runner.num_blocks,
-            self.runner.block_size,
-            config.enable_prefix_caching,
-            identity=kv_identity(model, config, self.runner.cache_format),
+            self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching, identity=identity
         )
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.disk_tier: KVDiskTier | None = None
+        if config.kv_disk_dir:
+            store = DiskStore(
+                Path(config.kv_disk_dir), identity, int(config.kv_disk_gb * 2**30), config.kv_disk_ttl_seconds
+            )
+            self.disk_tier = KVDiskTier(store, self.runner.cache_arrays(), self._commands.put)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.disk_tier)
         self.info = ModelInfo(
             model_id=model.model_id,
             model_dir=str(model.path),
@@ -104,7 +114,6 @@ class EngineCore:
         )
         self._publish = publish
         self._on_death = on_death
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stats = EngineStats(num_total_blocks=self.runner.num_blocks, num_free_blocks=self.runner.num_blocks)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -118,6 +127,8 @@ class EngineCore:
         # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
         # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
         self.runner.execute([StepInput([0], 8, [0], 1)])
+        if self.disk_tier is not None:
+            self.disk_tier.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
@@ -129,6 +140,8 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.alive = False
+        if self.disk_tier is not None:  # blocks filled before the stop reach the disk: a restart finds them
+            self.disk_tier.close(timeout=30)
 
     def submit(self, request: Request) -> None:
         """Hand a validated request to the engine thread; from now on only that thread touches it."""
@@ -143,12 +156,14 @@ class EngineCore:
     # -- engine thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            busy = False
             while not self._stopping:
-                self._take_commands(block=not self.scheduler.has_work())
+                # wait for a command unless the last step did something: a step can be idle with work
+                # left (every request loading from disk), and then it waits for the load's report
+                self._take_commands(block=not busy)
                 if self._stopping:
                     break
-                if self.scheduler.has_work():
-                    self.step()
+                busy = self.scheduler.has_work() and self.step()
             self.alive = False  # before the last drain: nothing submitted from now on can be missed
             self._fail_everything(Unavailable("the server is shutting down"))
         except BaseException as exc:  # the loop itself broke: nothing here can be trusted any more
@@ -188,6 +203,9 @@ class EngineCore:
                 self._publish([self._error(command, EngineFailure(f"the request could not be queued: {exc}"))])
                 return False
             return True
+        if isinstance(command, LoadResult):
+            self.scheduler.loaded(command.request_id, command.num_loaded)
+            return True
         if isinstance(command, Abort):
             request = self.scheduler.requests.get(command.request_id)
             if request is not None:
@@ -195,9 +213,10 @@ class EngineCore:
                 self._publish([self._output(request, [], [])])
         return False
 
-    def step(self) -> None:
-        """Plan, run, sample and record one step. An exception at any stage fails exactly the requests of
-        this step (INTERNAL, blocks freed); the engine goes on with the others."""
+    def step(self) -> bool:
+        """Plan, run, sample and record one step; False when there was nothing to do. An exception at any
+        stage fails exactly the requests of this step (INTERNAL, blocks freed); the engine goes on with
+        the others."""
         clock = _StageClock()
         # what a plan could hold: the running requests and the first waiting one (taken before planning,
         # which may preempt a running request to the front of the queue)
@@ -208,8 +227,11 @@ class EngineCore:
             # The plan is lost: fail what it could have held. Each such failure removes at least one
             # request, so a request that breaks planning cannot make the engine loop.
             self._fail_step(candidates, exc)
-            return
+            return True
         clock.lap("schedule")
+        if self.disk_tier is not None:
+            for load in plan.loads:
+                self.disk_tier.load(load.request.id, load.digests, load.block_ids)
         outputs = [self._error(r, DeadlineExceeded("the request's deadline passed")) for r in plan.expired]
         if plan.chunks:
             try:
@@ -217,10 +239,18 @@ class EngineCore:
             except Exception as exc:
                 self._publish(outputs)
                 self._fail_step([c.request for c in plan.chunks], exc)
-                return
+                return True
+        self._save_filled_blocks()
         # before publishing: callers see fresh stats
         self._update_stats(plan, clock, num_generated=sum(len(o.token_ids) for o in outputs))
         self._publish(outputs)
+        return not plan.empty
+
+    def _save_filled_blocks(self) -> None:
+        """Queue the blocks this step filled for the disk tier, before any later step can reuse them."""
+        blocks = self.kv.take_newly_cached()
+        if self.disk_tier is not None and blocks:
+            self.disk_tier.save([(b.digest, b.block_id) for b in blocks if b.digest is not None])
 
     def _run_plan(self, plan: StepPlan, clock: _StageClock) -> list[EngineOutput]:
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
@@ -274,6 +304,7 @@ class EngineCore:
             logprobs,
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
+            num_restored_tokens=request.num_restored_tokens,
             queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
         )
 
@@ -307,11 +338,35 @@ class EngineCore:
             last_step_seconds=clock.total if clock else s.last_step_seconds,
             tokens_per_step=float(plan.num_tokens) if plan else s.tokens_per_step,
             num_cache_evictions=self.kv.pool.num_evictions,
+            num_loading=len(self.scheduler.loading),
+            num_cached_prompt_tokens=self.kv.num_hit_tokens,
+            num_restored_prompt_tokens=self.scheduler.num_restored_tokens,
+            disk=self._disk_stats(),
             schedule_seconds_total=s.schedule_seconds_total + seconds.get("schedule", 0.0),
             execute_seconds_total=s.execute_seconds_total + seconds.get("execute", 0.0),
             sample_seconds_total=s.sample_seconds_total + seconds.get("sample", 0.0),
             update_seconds_total=s.update_seconds_total + seconds.get("update", 0.0),
             step_seconds_total=s.step_seconds_total + (clock.total if clock else 0.0),
+        )
+
+    def _disk_stats(self) -> DiskTierStats | None:
+        tier = self.disk_tier
+        if tier is None:
+            return None
+        store, t = tier.store.counters, tier.counters
+        return DiskTierStats(
+            enabled=tier.enabled,
+            num_blocks=tier.store.num_blocks,
+            num_bytes=tier.store.num_bytes,
+            num_written=store.num_written,
+            num_restored=t.num_restored_blocks,
+            num_skipped=t.num_skipped,
+            num_evicted=store.num_evicted,
+            num_corrupt=store.num_corrupt,
+            bytes_written=store.bytes_written,
+            bytes_read=store.bytes_read,
+            num_restores=t.num_restores,
+            restore_seconds_total=t.restore_seconds_total,
         )
 
 

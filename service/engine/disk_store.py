@@ -1,0 +1,222 @@
+"""Files of KV blocks on a local disk: one file per block, named by the block's chained digest.
+
+A file holds a header (format version, the engine's identity, the block's digest, the payload's length
+and CRC-32) and the payload: the block's bytes of every layer's key and value cache, exactly as the
+compiled model stores them. Files are written to a temporary name and renamed, so a reader never sees
+half a file; a file whose header or checksum does not match what was asked for is removed, never
+loaded. Files live in a folder named after the engine's identity, so engines of different models or
+settings can share a disk without touching each other's blocks.
+
+The store is bounded by size (least recently used out) and, optionally, by idle time. Its index is
+rebuilt from the folder listing at start (names, sizes, modification times; no file is read), and a
+restore refreshes a file's modification time, so recency survives restarts.
+
+Thread-safe: the engine thread asks what is stored; the tier's I/O thread reads, writes and evicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"OVKVBLK\0"
+FORMAT_VERSION = 1
+# magic, version, identity (32 bytes), digest (32 bytes), payload length, payload CRC-32
+HEADER = struct.Struct("<8sI32s32sQI")
+SUFFIX = ".kvb"
+TEMP_SUFFIX = ".tmp"
+
+
+@dataclass
+class Entry:
+    size: int
+    last_used: float  # time.time() of its write or last restore
+
+
+@dataclass
+class StoreCounters:
+    num_written: int = 0
+    num_read: int = 0
+    num_evicted: int = 0
+    num_corrupt: int = 0  # files removed because they were truncated, corrupt or foreign
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class DiskStore:
+    def __init__(self, root: Path, identity: bytes, capacity_bytes: int, ttl_seconds: float = 0.0) -> None:
+        if len(identity) != 32:
+            raise ValueError("identity must be 32 bytes")
+        self.identity = identity
+        self.folder = Path(root) / identity.hex()[:32]
+        self.capacity_bytes = capacity_bytes
+        self.ttl_seconds = ttl_seconds
+        self.counters = StoreCounters()
+        self._index: OrderedDict[bytes, Entry] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    # -- start ---------------------------------------------------------------------------------------------
+    def open(self) -> None:
+        """Create the folder, prove it writable, and index what an earlier run left. Raises OSError when
+        the folder cannot be used."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        probe = self.folder / f"probe{TEMP_SUFFIX}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+        found: list[tuple[float, bytes, int]] = []
+        with os.scandir(self.folder) as listing:
+            for item in listing:
+                digest = _digest_of(item.name)
+                if digest is None or not item.is_file(follow_symlinks=False):
+                    if item.name.endswith(TEMP_SUFFIX):  # a write cut short by a crash
+                        _remove(Path(item.path))
+                    continue
+                stat = item.stat(follow_symlinks=False)
+                found.append((stat.st_mtime, digest, stat.st_size))
+        with self._lock:
+            for mtime, digest, size in sorted(found):
+                self._index[digest] = Entry(size, mtime)
+                self._bytes += size
+        self.evict(0)
+        log.info("kv disk tier: %d blocks (%.1f MiB) found in %s", len(self._index), self._bytes / 2**20, self.folder)
+
+    # -- queries -----------------------------------------------------------------------------------------
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            return self._live(digest) is not None
+
+    def count_chain(self, digests: Sequence[bytes]) -> int:
+        """How many of digests, from the first on, are stored."""
+        with self._lock:
+            for i, digest in enumerate(digests):
+                if self._live(digest) is None:
+                    return i
+            return len(digests)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._index)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
+
+    def _live(self, digest: bytes) -> Entry | None:
+        entry = self._index.get(digest)
+        if entry is not None and self.ttl_seconds and time.time() - entry.last_used > self.ttl_seconds:
+            return None  # expired: the next eviction removes it
+        return entry
+
+    # -- files -------------------------------------------------------------------------------------------
+    def write(self, digest: bytes, payload: bytes | memoryview) -> None:
+        """Store one block, making room first. Raises OSError when the disk refuses (full, read-only)."""
+        if digest in self:
+            return
+        size = HEADER.size + len(payload)
+        self.evict(size)
+        path = self._path(digest)
+        temp = path.with_name(path.name + TEMP_SUFFIX)
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, self.identity, digest, len(payload), zlib.crc32(payload))
+        try:
+            with open(temp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(temp, path)
+        except OSError:
+            _remove(temp)
+            raise
+        with self._lock:
+            self._index[digest] = Entry(size, time.time())
+            self._bytes += size
+            self.counters.num_written += 1
+            self.counters.bytes_written += size
+
+    def read(self, digest: bytes) -> memoryview | None:
+        """The payload of a stored block, or None when it is missing or not exactly what was written for
+        this digest by this engine identity (then the file is removed)."""
+        path = self._path(digest)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self._forget(digest)
+            return None
+        payload = self._check(data, digest)
+        if payload is None:
+            log.warning("kv disk tier: removing %s: truncated, corrupt or written by another engine", path.name)
+            _remove(path)
+            self._forget(digest)
+            self.counters.num_corrupt += 1
+            return None
+        now = time.time()
+        with contextlib.suppress(OSError):
+            os.utime(path, (now, now))  # recency that survives a restart
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is not None:
+                entry.last_used = now
+                self._index.move_to_end(digest)
+            self.counters.num_read += 1
+            self.counters.bytes_read += len(data)
+        return payload
+
+    def _check(self, data: bytes, digest: bytes) -> memoryview | None:
+        if len(data) < HEADER.size:
+            return None
+        magic, version, identity, stored_digest, length, crc = HEADER.unpack_from(data)
+        payload = memoryview(data)[HEADER.size :]
+        if (magic, version, identity, stored_digest) != (MAGIC, FORMAT_VERSION, self.identity, digest):
+            return None
+        if len(payload) != length or zlib.crc32(payload) != crc:
+            return None
+        return payload
+
+    def evict(self, room: int) -> None:
+        """Remove expired blocks, then least recently used ones until room more bytes fit."""
+        doomed: list[bytes] = []
+        horizon = time.time() - self.ttl_seconds if self.ttl_seconds else -1.0
+        with self._lock:
+            # the index is in order of last use, so expired blocks come first
+            while self._index and (
+                self._bytes + room > self.capacity_bytes or next(iter(self._index.values())).last_used < horizon
+            ):
+                digest, entry = self._index.popitem(last=False)
+                self._bytes -= entry.size
+                doomed.append(digest)
+            self.counters.num_evicted += len(doomed)
+        for digest in doomed:
+            _remove(self._path(digest))
+
+    def _forget(self, digest: bytes) -> None:
+        with self._lock:
+            entry = self._index.pop(digest, None)
+            if entry is not None:
+                self._bytes -= entry.size
+
+    def _path(self, digest: bytes) -> Path:
+        return self.folder / (digest.hex() + SUFFIX)
+
+
+def _digest_of(name: str) -> bytes | None:
+    if not name.endswith(SUFFIX) or len(name) != 64 + len(SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(name[:64])
+    except ValueError:
+        return None
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()

@@ -1,0 +1,194 @@
+"""The disk tier of the prefix cache: blocks written to a DiskStore and restored from it, on its own I/O thread.
+
+Which blocks and when: every block that fills and enters the RAM prefix cache is written once, as soon
+as it fills (write-through). The engine thread only copies the block's bytes out of the KV cache (a
+memcpy between steps) and queues them; the I/O thread writes. So a crash loses only the blocks still
+queued (a second or so of work), and a graceful stop, which flushes the queue, loses nothing. Writing
+at eviction from RAM instead would lose everything on a crash and put the copy on the critical path of
+the allocation that evicts. When writes fall behind (more than max_pending_bytes queued), new blocks
+are skipped and counted rather than stalling a step.
+
+Restores run on the same I/O thread, ahead of any write: the thread reads and checks each file and
+copies it straight into the pool blocks the scheduler set aside for it. Those blocks belong to a
+request in the loading state, which no step touches until the load is reported done, so the engine
+keeps stepping other requests meanwhile.
+
+A disk that refuses a write (full, read-only, gone) turns the tier off with one warning; serving goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.engine.disk_store import DiskStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """num_loaded blocks, from the first on, now hold their restored content."""
+
+    request_id: int
+    num_loaded: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Load:
+    request_id: int
+    digests: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Write:
+    digests: tuple[bytes, ...]
+    copies: tuple[np.ndarray, ...]  # per cache tensor: the blocks' content, [num_blocks, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(c.nbytes for c in self.copies)
+
+
+@dataclass
+class TierCounters:
+    num_skipped: int = 0  # full blocks not written because writes had fallen behind
+    num_restores: int = 0
+    num_restored_blocks: int = 0
+    restore_seconds_total: float = 0.0
+
+
+class KVDiskTier:
+    def __init__(
+        self,
+        store: DiskStore,
+        cache: Sequence[np.ndarray],
+        on_loaded: Callable[[LoadResult], None],
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    ) -> None:
+        """cache: the KV cache tensors as arrays of [num_blocks, ...], in a fixed order."""
+        self.store = store
+        self.cache = list(cache)
+        self.block_bytes = sum(a[0].nbytes for a in self.cache)
+        self.on_loaded = on_loaded
+        self.max_pending_bytes = max_pending_bytes
+        self.counters = TierCounters()
+        self.enabled = False
+        self._loads: deque[_Load] = deque()
+        self._writes: deque[_Write] = deque()
+        self._pending_bytes = 0
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="kv-disk", daemon=True)
+
+    def start(self) -> None:
+        try:
+            self.store.open()
+        except OSError as exc:
+            log.warning("kv disk tier off: cannot use %s: %s", self.store.folder, exc)
+            return
+        self.enabled = True
+        self._thread.start()
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued (for at most timeout seconds), then end the thread."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._writes:
+            num_left = sum(len(w.digests) for w in self._writes)
+            log.warning("kv disk tier: %d queued blocks not written at shutdown", num_left)
+
+    # -- engine thread -------------------------------------------------------------------------------------
+    def count_chain(self, digests: Sequence[bytes]) -> int:
+        return self.store.count_chain(digests) if self.enabled else 0
+
+    def save(self, blocks: Sequence[tuple[bytes, int]]) -> None:
+        """Queue newly filled blocks (digest, block id) for writing; their content is copied now."""
+        if not self.enabled:
+            return
+        new = [(d, b) for d, b in blocks if d not in self.store]
+        if not new:
+            return
+        if self._pending_bytes + len(new) * self.block_bytes > self.max_pending_bytes:
+            self.counters.num_skipped += len(new)
+            return
+        ids = np.array([b for _, b in new], dtype=np.int64)
+        write = _Write(tuple(d for d, _ in new), tuple(a[ids] for a in self.cache))
+        with self._wake:
+            self._writes.append(write)
+            self._pending_bytes += write.num_bytes
+            self._wake.notify()
+
+    def load(self, request_id: int, digests: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Restore digests into block_ids, in order, stopping at the first block that cannot be read;
+        on_loaded is called (on the I/O thread) with how many were."""
+        with self._wake:
+            self._loads.append(_Load(request_id, tuple(digests), tuple(block_ids)))
+            self._wake.notify()
+
+    # -- I/O thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._loads or self._writes or self._closing):
+                    self._wake.wait()
+                if self._loads:
+                    job: _Load | _Write = self._loads.popleft()
+                elif self._writes:
+                    job = self._writes.popleft()
+                else:
+                    return  # closing, and nothing left to write
+            if isinstance(job, _Load):
+                self.on_loaded(self._restore(job))
+            else:
+                self._write(job)
+                with self._wake:
+                    self._pending_bytes -= job.num_bytes
+
+    def _restore(self, load: _Load) -> LoadResult:
+        start = time.perf_counter()
+        num_loaded = 0
+        for digest, block_id in zip(load.digests, load.block_ids, strict=True):
+            try:
+                payload = self.store.read(digest)
+            except OSError as exc:
+                log.warning("kv disk tier: cannot read a block: %s", exc)
+                payload = None
+            if payload is None or len(payload) != self.block_bytes:
+                break
+            offset = 0
+            for array in self.cache:
+                block = array[block_id]
+                block[...] = np.frombuffer(payload, array.dtype, block.size, offset).reshape(block.shape)
+                offset += block.nbytes
+            num_loaded += 1
+        seconds = time.perf_counter() - start
+        self.counters.num_restores += 1
+        self.counters.num_restored_blocks += num_loaded
+        self.counters.restore_seconds_total += seconds
+        return LoadResult(load.request_id, num_loaded, seconds)
+
+    def _write(self, write: _Write) -> None:
+        if not self.enabled:
+            return
+        for i, digest in enumerate(write.digests):
+            payload = b"".join(copy[i].tobytes() for copy in write.copies)
+            try:
+                self.store.write(digest, payload)
+            except OSError as exc:
+                log.warning("kv disk tier off: writing to %s failed: %s; serving goes on", self.store.folder, exc)
+                self.enabled = False
+                return
