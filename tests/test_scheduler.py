@@ -175,3 +175,132 @@ def test_expired_request_is_dropped_and_freed():
     plan = s.schedule()
     assert plan.expired == [r] and not plan.chunks
     assert s.kv.pool.num_free == 64
+
+
+# -- the disk tier: loading state ------------------------------------------------------------------------
+
+
+class FakeDisk:
+    """Stands in for the disk tier: it holds the blocks whose digests it was given."""
+
+    def __init__(self, digests=()) -> None:
+        self.digests = set(digests)
+
+    def count_chain(self, digests) -> int:
+        n = 0
+        while n < len(digests) and digests[n] in self.digests:
+            n += 1
+        return n
+
+
+def with_disk(disk: FakeDisk, num_blocks: int = 64, max_num_seqs: int = 4) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, True)
+    return Scheduler(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16), kv, 256, disk=disk)
+
+
+def digests_of(s: Scheduler, r: Request) -> list[bytes]:
+    return s.kv.full_block_digests(-1 - r.id, r.prompt_token_ids, r.cache_salt)
+
+
+def test_a_prefix_on_disk_is_loaded_then_computed_from_there():
+    disk = FakeDisk()
+    s = with_disk(disk)
+    r = request("a", 18)
+    disk.digests.update(digests_of(s, r)[:3])  # blocks 0-2 of 4 full ones are on disk
+    s.add(r)
+    plan = s.schedule()
+    assert not plan.chunks and [load.request for load in plan.loads] == [r]
+    load = plan.loads[0]
+    assert (len(load.digests), len(load.block_ids), load.first) == (3, 3, True)
+    assert r.status is Status.LOADING and s.has_work()
+    assert s.schedule().empty  # nothing to do until the load ends
+    s.loaded(r.id, 3)
+    assert r.status is Status.RUNNING and r.num_computed_tokens == 12
+    assert (r.num_cached_tokens, r.num_restored_tokens, s.num_restored_tokens) == (12, 12, 12)
+    assert tuple(b.digest for b in s.kv.take_newly_cached()) == load.digests  # restored blocks join the cache
+    chunk = step(s).chunks[0]
+    assert (chunk.start, chunk.num_tokens, r.num_output_tokens) == (12, 6, 1)
+
+
+def test_a_partial_load_gives_back_the_rest_and_computes_it():
+    disk = FakeDisk()
+    s = with_disk(disk)
+    r = request("a", 18)
+    disk.digests.update(digests_of(s, r))
+    s.add(r)
+    load = s.schedule().loads[0]
+    assert len(load.digests) == 4  # every full block: the last token is in the fifth
+    free_before = s.kv.pool.num_free
+    s.loaded(r.id, 1)  # the second file was corrupt
+    assert s.kv.pool.num_free == free_before + 3
+    assert (r.num_computed_tokens, r.num_cached_tokens, r.num_restored_tokens) == (4, 4, 4)
+    while r.status is not Status.FINISHED:
+        step(s)
+        if r.num_output_tokens == 1:
+            s.finish(r)
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_the_block_of_the_last_token_is_never_restored():
+    disk = FakeDisk()
+    s = with_disk(disk)
+    r = request("a", 16)  # four full blocks; the last holds the token whose logits are wanted
+    disk.digests.update(digests_of(s, r))
+    s.add(r)
+    assert len(s.schedule().loads[0].digests) == 3
+
+
+def test_two_requests_needing_the_same_blocks_load_them_once():
+    disk = FakeDisk()
+    s = with_disk(disk)
+    a, b = request("a", 18), request("b", 18)
+    disk.digests.update(digests_of(s, a)[:3])
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [load.request for load in plan.loads] == [a] and b.status is Status.WAITING
+    assert s.schedule().empty  # b waits for a's load rather than loading the same blocks
+    s.loaded(a.id, 3)
+    plan = s.schedule()
+    assert not plan.loads and {c.request for c in plan.chunks} == {a, b}
+    assert b.num_cached_tokens == 12 and b.num_restored_tokens == 0  # found in RAM once a restored them
+
+
+def test_a_request_finished_while_loading_frees_its_blocks_when_the_load_ends():
+    disk = FakeDisk()
+    s = with_disk(disk)
+    r = request("a", 18)
+    disk.digests.update(digests_of(s, r)[:3])
+    s.add(r)
+    s.schedule()
+    s.finish(r)  # aborted: the I/O thread may still be writing into its blocks
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks - 3 and not s.has_work()
+    s.loaded(r.id, 3)
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks and not s.loading
+    assert r not in s.running
+
+
+def test_an_expired_loading_request_is_dropped():
+    disk = FakeDisk()
+    s = with_disk(disk)
+    r = request("a", 18)
+    r.deadline = time.monotonic() + 0.05
+    disk.digests.update(digests_of(s, r)[:3])
+    s.add(r)
+    s.schedule()
+    time.sleep(0.1)
+    assert s.schedule().expired == [r]
+    s.loaded(r.id, 3)
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_loading_requests_count_towards_max_num_seqs():
+    disk = FakeDisk()
+    s = with_disk(disk, max_num_seqs=1)
+    a, b = request("a", 18), request("b", 5, start=500)
+    disk.digests.update(digests_of(s, a)[:3])
+    s.add(a)
+    s.add(b)
+    assert s.schedule().loads and s.schedule().empty
+    s.loaded(a.id, 3)
+    assert [c.request for c in s.schedule().chunks] == [a]

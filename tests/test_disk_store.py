@@ -1,0 +1,226 @@
+"""The disk tier without a model: the block store's files, bounds and integrity checks, and the I/O
+thread's writes and restores over plain arrays standing in for the KV cache tensors."""
+
+import hashlib
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.engine.disk_store import HEADER, DiskStore
+from service.engine.kv_tier import KVDiskTier, LoadResult
+
+IDENTITY = hashlib.sha256(b"engine").digest()
+
+
+def digest(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=32).digest()
+
+
+def opened(root: Path, capacity: int = 1 << 20, ttl: float = 0.0, identity: bytes = IDENTITY) -> DiskStore:
+    store = DiskStore(root, identity, capacity, ttl)
+    store.open()
+    return store
+
+
+def test_write_read_and_chain(tmp_path):
+    store = opened(tmp_path)
+    for i in range(3):
+        store.write(digest(i), bytes([i]) * 100)
+    assert bytes(store.read(digest(1))) == b"\x01" * 100
+    assert store.count_chain([digest(0), digest(1), digest(2), digest(3)]) == 3
+    assert store.count_chain([digest(5), digest(0)]) == 0
+    assert store.read(digest(9)) is None
+    assert store.num_blocks == 3 and store.num_bytes == 3 * (HEADER.size + 100)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],  # truncated
+        lambda data: data[:-1] + bytes([data[-1] ^ 1]),  # one bit flipped in the payload
+        lambda data: b"",  # empty
+        lambda data: data.replace(IDENTITY, hashlib.sha256(b"other model").digest()),  # foreign
+    ],
+    ids=["truncated", "flipped", "empty", "foreign"],
+)
+def test_damaged_file_is_removed_not_loaded(tmp_path, damage):
+    store = opened(tmp_path)
+    store.write(digest(0), b"x" * 1000)
+    path = store.folder / (digest(0).hex() + ".kvb")
+    path.write_bytes(damage(path.read_bytes()))
+    assert store.read(digest(0)) is None
+    assert not path.exists() and digest(0) not in store and store.counters.num_corrupt == 1
+
+
+def test_file_under_another_digest_is_not_loaded(tmp_path):
+    store = opened(tmp_path)
+    store.write(digest(0), b"x" * 10)
+    os.replace(store.folder / (digest(0).hex() + ".kvb"), store.folder / (digest(1).hex() + ".kvb"))
+    store = opened(tmp_path)  # reindexed: the renamed file is listed under digest 1
+    assert digest(1) in store
+    assert store.read(digest(1)) is None and store.counters.num_corrupt == 1
+
+
+def test_engines_of_different_identity_keep_apart(tmp_path):
+    a, b = opened(tmp_path), opened(tmp_path, identity=hashlib.sha256(b"other").digest())
+    a.write(digest(0), b"a")
+    assert digest(0) not in b and b.read(digest(0)) is None
+    assert bytes(a.read(digest(0))) == b"a"
+
+
+def test_least_recently_used_go_first(tmp_path):
+    size = HEADER.size + 100
+    store = opened(tmp_path, capacity=3 * size)
+    for i in range(3):
+        store.write(digest(i), b"x" * 100)
+    store.read(digest(0))  # 0 is now the most recently used
+    store.write(digest(3), b"x" * 100)
+    assert [digest(i) in store for i in range(4)] == [True, False, True, True]
+    assert store.counters.num_evicted == 1 and store.num_bytes == 3 * size
+    assert not (store.folder / (digest(1).hex() + ".kvb")).exists()
+
+
+def test_idle_blocks_expire(tmp_path):
+    store = opened(tmp_path, ttl=0.2)
+    store.write(digest(0), b"x")
+    assert digest(0) in store
+    time.sleep(0.3)
+    assert digest(0) not in store and store.count_chain([digest(0)]) == 0
+    store.write(digest(1), b"y")  # any write sweeps expired blocks
+    assert store.num_blocks == 1 and not (store.folder / (digest(0).hex() + ".kvb")).exists()
+
+
+def test_reopen_rebuilds_the_index_and_clears_leftovers(tmp_path):
+    store = opened(tmp_path)
+    for i in range(4):
+        store.write(digest(i), bytes([i]) * 10)
+        time.sleep(0.01)  # distinct modification times: recency survives the restart
+    store.read(digest(0))
+    (store.folder / "half-written.kvb.tmp").write_bytes(b"junk")
+    (store.folder / "notes.txt").write_text("not ours")
+    again = opened(tmp_path, capacity=3 * (HEADER.size + 10))  # smaller: the oldest go at once
+    assert [digest(i) in again for i in range(4)] == [True, False, True, True]
+    assert not (again.folder / "half-written.kvb.tmp").exists()
+    assert bytes(again.read(digest(3))) == b"\x03" * 10
+
+
+def test_unusable_folder_raises(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(OSError):
+        opened(tmp_path / "file" / "kv")
+
+
+# -- the I/O thread over arrays standing in for the KV cache ------------------------------------------------
+
+
+def cache_arrays(num_blocks: int = 8) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [
+        rng.integers(0, 255, (num_blocks, 2, 5, 4), dtype=np.uint8),
+        rng.standard_normal((num_blocks, 2, 4, 4)).astype(np.float16),
+    ]
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.results: list[LoadResult] = []
+        self.event = threading.Event()
+
+    def __call__(self, result: LoadResult) -> None:
+        self.results.append(result)
+        self.event.set()
+
+    def wait(self) -> LoadResult:
+        assert self.event.wait(10), "the load was never reported"
+        self.event.clear()
+        return self.results[-1]
+
+
+def wait_written(store: DiskStore, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while store.counters.num_written < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.counters.num_written == n
+
+
+def test_blocks_round_trip_byte_for_byte(tmp_path):
+    cache, reports = cache_arrays(), Reports()
+    tier = KVDiskTier(DiskStore(tmp_path, IDENTITY, 1 << 20), cache, reports)
+    tier.start()
+    tier.save([(digest(0), 1), (digest(1), 2)])
+    wait_written(tier.store, 2)
+    originals = [a[[1, 2]].copy() for a in cache]
+    tier.load(7, [digest(0), digest(1)], [5, 6])
+    assert reports.wait() == LoadResult(7, 2, reports.results[-1].seconds)
+    for array, original in zip(cache, originals, strict=True):
+        assert array[[5, 6]].tobytes() == original.tobytes()
+    tier.save([(digest(0), 5)])  # already stored: not written again
+    tier.close(5)
+    assert tier.store.counters.num_written == 2
+
+
+def test_a_restore_stops_at_the_first_bad_block(tmp_path):
+    cache, reports = cache_arrays(), Reports()
+    tier = KVDiskTier(DiskStore(tmp_path, IDENTITY, 1 << 20), cache, reports)
+    tier.start()
+    tier.save([(digest(i), i) for i in range(3)])
+    wait_written(tier.store, 3)
+    bad = tier.store.folder / (digest(1).hex() + ".kvb")
+    bad.write_bytes(bad.read_bytes()[:-3])
+    before = [a[[6, 7]].copy() for a in cache]
+    tier.load(1, [digest(0), digest(1), digest(2)], [5, 6, 7])
+    assert reports.wait().num_loaded == 1
+    assert all(a[[6, 7]].tobytes() == b.tobytes() for a, b in zip(cache, before, strict=True))  # untouched
+    assert digest(1) not in tier.store and tier.store.counters.num_corrupt == 1
+    tier.close(5)
+
+
+def test_writes_that_fall_behind_are_skipped_not_queued(tmp_path):
+    cache = cache_arrays()
+    block_bytes = sum(a[0].nbytes for a in cache)
+    tier = KVDiskTier(DiskStore(tmp_path, IDENTITY, 1 << 20), cache, Reports(), max_pending_bytes=2 * block_bytes)
+    tier.start()
+    tier.save([(digest(i), i) for i in range(3)])  # more than may wait in the queue: none is queued
+    tier.save([(digest(3), 3), (digest(4), 4)])
+    tier.close(5)
+    assert tier.counters.num_skipped == 3 and tier.store.counters.num_written == 2
+
+
+def test_an_unusable_folder_leaves_the_tier_off(tmp_path, caplog):
+    (tmp_path / "file").write_text("")
+    tier = KVDiskTier(DiskStore(tmp_path / "file" / "kv", IDENTITY, 1 << 20), cache_arrays(), Reports())
+    tier.start()
+    assert not tier.enabled and "kv disk tier off" in caplog.text
+    assert tier.count_chain([digest(0)]) == 0
+    tier.save([(digest(0), 0)])
+    tier.close(1)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_turns_the_tier_off_with_one_warning(small_tmpfs, caplog):
+    cache = [np.zeros((64, 16 << 10), dtype=np.uint8)]  # 16 KiB blocks: the 64 KiB disk holds three
+    tier = KVDiskTier(DiskStore(small_tmpfs, IDENTITY, 1 << 30), cache, Reports())
+    tier.start()
+    for i in range(8):
+        tier.save([(digest(i), i)])
+        time.sleep(0.02)
+    tier.close(5)
+    assert not tier.enabled
+    assert caplog.text.count("kv disk tier off") == 1
+    assert 1 <= tier.store.counters.num_written < 8
+    assert not list(small_tmpfs.rglob("*.tmp")), "a failed write leaves no temporary file"
