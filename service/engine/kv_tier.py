@@ -111,6 +111,11 @@ class KVDiskTier:
             num_left = sum(len(w.digests) for w in self._writes)
             log.warning("kv disk tier: %d queued blocks not written at shutdown", num_left)
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of blocks queued for writing."""
+        return self._pending_bytes
+
     # -- engine thread -------------------------------------------------------------------------------------
     def count_chain(self, digests: Sequence[bytes]) -> int:
         return self.store.count_chain(digests) if self.enabled else 0
