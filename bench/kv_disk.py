@@ -48,7 +48,8 @@ class Ours:
         from service.core.params import SamplingParams
 
         t0 = time.perf_counter()
-        ttft, computed, tokens = 0.0, len(ids), []
+        ttft, computed = 0.0, len(ids)
+        tokens: list[int] = []
         async for out in self.engine.generate(ids, SamplingParams(max_new_tokens=max_new, ignore_eos=True)):
             if not ttft and out.token_ids:
                 ttft = time.perf_counter() - t0
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = info.vocab_size
         pool_tokens = info.num_kv_blocks * info.block_size
         genai = Genai(a.model, info.num_kv_blocks)
-        engines = [tier, plain, genai]
+        engines: list[Ours | Genai] = [tier, plain, genai]
         try:
             for e in engines:
                 e.turn(random_ids(rng, 64, vocab))  # warm up
