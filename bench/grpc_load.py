@@ -167,7 +167,7 @@ def server_flags(config: EngineConfig) -> list[str]:
             flags.append(f"--{flag}" if value else f"--no-{flag}")
         elif value is not None:
             flags.append(f"--{flag}={value}")
-    return [*flags, f"--metrics-port={free_port()}"]  # metrics on, as in production
+    return [*flags, f"--metrics-port={free_port()}", f"--http-port={free_port()}"]  # as in production
 
 
 def free_port() -> int:
