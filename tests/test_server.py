@@ -416,8 +416,9 @@ def test_auth_rejects_missing_or_wrong_token(tiny_qwen3_ir, tmp_path):
         running.stop()
 
 
-def test_tls(tiny_qwen3_ir, tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A key and a certificate for `localhost`, valid for a day."""
+    key, cert = folder / "key.pem", folder / "cert.pem"
     subprocess.run(
         [
             "openssl",
@@ -440,6 +441,11 @@ def test_tls(tiny_qwen3_ir, tmp_path):
         check=True,
         capture_output=True,
     )
+    return key, cert
+
+
+def test_tls(tiny_qwen3_ir, tmp_path):
+    key, cert = self_signed_cert(tmp_path)
     running = Running(base_config(tiny_qwen3_ir, tls_cert=str(cert), tls_key=str(key), host="localhost"))
     try:
         with Client(f"localhost:{running.server.port}", root_certificates=cert.read_bytes()) as c:
