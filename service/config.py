@@ -30,7 +30,7 @@ class ServerConfig:
     auth_token_file: str | None = setting(
         None, "require `authorization: Bearer <token>` (the file's content) on all but health checks"
     )
-    tls_cert: str | None = setting(None, "TLS certificate chain (PEM); with --tls-key serves TLS only")
+    tls_cert: str | None = setting(None, "TLS certificate chain (PEM); with --tls-key serves TLS only (gRPC and HTTP)")
     tls_key: str | None = setting(None, "TLS private key (PEM)")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -54,8 +54,8 @@ def _bool(text: str) -> bool:
 def parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m service",
-        description="Serve a converted model over gRPC. Every flag can also be set in the environment as "
-        f"{ENV_PREFIX}<FLAG_IN_UPPER_SNAKE_CASE>, e.g. {ENV_PREFIX}KV_CACHE_GB=4; flags win.",
+        description="Serve a converted model over gRPC and an OpenAI-compatible HTTP API. Every flag can also be "
+        f"set in the environment as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE_CASE>, e.g. {ENV_PREFIX}KV_CACHE_GB=4; flags win.",
     )
     for f in flag_fields():
         flag = "--" + f.name.replace("_", "-")

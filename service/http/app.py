@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -203,7 +203,9 @@ async def collect(stream: AsyncIterator[RequestOutput], clock: TokenClock, every
 class EventStream(StreamingResponse):
     """An SSE response that runs `done` however it ends: finished, the client gone, or cancelled by shutdown."""
 
-    def __init__(self, events: AsyncIterator[bytes], done: Callable[[], Awaitable[None]], headers: dict[str, str]):
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], done: Callable[[], Awaitable[None]], headers: dict[str, str]
+    ) -> None:
         super().__init__(events, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS | headers)
         self.events, self.done = events, done
 
@@ -211,7 +213,7 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.events.aclose()  # type: ignore[attr-defined]  # an async generator
+            await self.events.aclose()
             await self.done()
 
 
@@ -290,7 +292,7 @@ class Api:
         out: RequestOutput,
         stream: AsyncIterator[RequestOutput],
         clock: TokenClock,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         for chunk in reply.first_chunks():
             yield sse.event(chunk)
         try:
