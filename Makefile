@@ -30,7 +30,7 @@ $(MODEL)/manifest.json: | $(STAMP)
 	$(PY) -m convert smollm2 $(MODEL)
 
 serve: $(STAMP) $(MODEL)/manifest.json
-	$(PY) -m service --model $(MODEL) --host 127.0.0.1 --port 50051
+	$(PY) -m service --model $(MODEL) --host 127.0.0.1 --port 50051 --http-port 8000
 
 # Debian packages the integration tests drive (scripts/debian-packages.txt); a no-op once installed.
 system-packages:

@@ -168,27 +168,21 @@ def _one(kind: str, engine, client: LoadClient, ids: list[list[int]], c: int, ma
         r = asyncio.run(workers.ours_batch(engine, workers.take(ids, c), max_new))
         n = r["output_tokens"]
         return {"tokens_per_s": n / r["wall_s"], "cpu_s_per_token": (_own_cpu() - cpu) / n}
-    server, load = _proc_cpu(client.server_pid), _proc_cpu(client.proc.pid)
+    server, load = grpc_load.proc_cpu(client.server_pid), grpc_load.proc_cpu(client.proc.pid)
     r = client.burst(c, max_new)
     if r["errors"]:
         raise RuntimeError(f"gRPC errors: {r['errors']}")
     n = r["output_tokens"]
     return {
         "tokens_per_s": r["tokens_per_s"],
-        "cpu_s_per_token": (_proc_cpu(client.server_pid) - server) / n,
-        "client_cpu_s_per_token": (_proc_cpu(client.proc.pid) - load) / n,
+        "cpu_s_per_token": (grpc_load.proc_cpu(client.server_pid) - server) / n,
+        "client_cpu_s_per_token": (grpc_load.proc_cpu(client.proc.pid) - load) / n,
     }
 
 
 def _own_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def _proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import os
 import pkgutil
 import random
 import socket
@@ -167,7 +168,7 @@ def server_flags(config: EngineConfig) -> list[str]:
             flags.append(f"--{flag}" if value else f"--no-{flag}")
         elif value is not None:
             flags.append(f"--{flag}={value}")
-    return [*flags, f"--metrics-port={free_port()}"]  # metrics on, as in production
+    return [*flags, f"--metrics-port={free_port()}", f"--http-port={free_port()}"]  # as in production
 
 
 def free_port() -> int:
@@ -240,6 +241,12 @@ def _health_serving(port: int) -> bool:
             return r.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError as exc:
         return exc.code() == grpc.StatusCode.UNIMPLEMENTED  # no health service: the channel being up is enough
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- load ------------------------------------------------------------------------------------------

@@ -143,13 +143,17 @@ class ServerProc:
                 self.proc.wait()
 
 
+# gRPC on any free port; metrics and the HTTP API off
+PORTS = ("--port", "0", "--metrics-port", "0", "--http-port", "0")
+
+
 def start_server(model: str, server_args: list[str], env_extra: dict[str, str], log_path: Path) -> ServerProc:
     """The server logs one line per request, so its stderr goes to a file (a pipe nobody reads would fill and
     block it); the file is polled for the "listening on" and "serving" lines."""
     env = {**os.environ, **env_extra}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "w")  # noqa: SIM115 (kept open for the child's lifetime)
-    cmd = [sys.executable, "-m", "service", "--model", model, "--port", "0", "--metrics-port", "0", *server_args]
+    cmd = [sys.executable, "-m", "service", "--model", model, *PORTS, *server_args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
     log_file.close()
     port = None

@@ -1,7 +1,8 @@
-"""python -m service --model DIR [flags]: serve a converted model over gRPC until SIGTERM or SIGINT.
+"""python -m service --model DIR [flags]: serve a converted model over gRPC, and over the
+OpenAI-compatible HTTP API on --http-port (service/http), until SIGTERM or SIGINT.
 
 Answers at once (health NOT_SERVING, generation UNAVAILABLE) while the model loads and warms up, then
-SERVING. On SIGTERM or SIGINT: NOT_SERVING, new requests UNAVAILABLE, in-flight requests get
+SERVING. On SIGTERM or SIGINT: NOT_SERVING, new requests UNAVAILABLE (HTTP 503), in-flight requests get
 --drain-grace-seconds to finish, then exit 0. If the engine thread dies: NOT_SERVING at once, every
 request UNAVAILABLE, exit 1 (so that a supervisor such as Kubernetes restarts the process)."""
 
@@ -20,7 +21,16 @@ from service.server import Server
 
 log = logging.getLogger("service")
 # Fields the server attaches to its log records (logging's `extra`); never prompt or reply text.
-RECORD_FIELDS = ("request_id", "rpc", "code", "seconds", "prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+RECORD_FIELDS = (
+    "request_id",
+    "protocol",
+    "rpc",
+    "code",
+    "seconds",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_prompt_tokens",
+)
 
 
 class JsonFormatter(logging.Formatter):

@@ -22,14 +22,15 @@ class ServerConfig:
     host: str = setting("127.0.0.1", "address to bind (use 0.0.0.0 in containers)")
     port: int = setting(50051, "gRPC port (0: any free port)")
     metrics_port: int = setting(9090, "Prometheus metrics HTTP port; 0 disables it")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP API and browser playground port; 0 disables it")
     max_concurrent_streams: int = setting(256, "concurrent RPCs per client connection (HTTP/2 streams)")
-    max_message_bytes: int = setting(4 << 20, "largest request or response message")
+    max_message_bytes: int = setting(4 << 20, "largest request or response message (an HTTP body too)")
     drain_grace_seconds: float = setting(30.0, "on SIGTERM, time given to in-flight requests before they are cancelled")
     log_format: str = setting("text", "log lines as text or one JSON object per line", ("text", "json"))
     auth_token_file: str | None = setting(
         None, "require `authorization: Bearer <token>` (the file's content) on all but health checks"
     )
-    tls_cert: str | None = setting(None, "TLS certificate chain (PEM); with --tls-key serves TLS only")
+    tls_cert: str | None = setting(None, "TLS certificate chain (PEM); with --tls-key serves TLS only (gRPC and HTTP)")
     tls_key: str | None = setting(None, "TLS private key (PEM)")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -53,8 +54,8 @@ def _bool(text: str) -> bool:
 def parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m service",
-        description="Serve a converted model over gRPC. Every flag can also be set in the environment as "
-        f"{ENV_PREFIX}<FLAG_IN_UPPER_SNAKE_CASE>, e.g. {ENV_PREFIX}KV_CACHE_GB=4; flags win.",
+        description="Serve a converted model over gRPC and an OpenAI-compatible HTTP API. Every flag can also be "
+        f"set in the environment as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE_CASE>, e.g. {ENV_PREFIX}KV_CACHE_GB=4; flags win.",
     )
     for f in flag_fields():
         flag = "--" + f.name.replace("_", "-")
@@ -84,7 +85,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         p.error(f"--model (or {env_name('model')}) is required")
     if bool(args["tls_cert"]) != bool(args["tls_key"]):
         p.error("--tls-cert and --tls-key go together")
-    for name in ("port", "metrics_port"):
+    for name in ("port", "metrics_port", "http_port"):
         if not 0 <= args[name] <= 65535:
             p.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
     for name in ("max_concurrent_streams", "max_message_bytes"):

@@ -4,6 +4,7 @@ never touches prometheus-client."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -22,14 +23,26 @@ class Metrics:
         self.requests = Counter(
             "ovserve_requests", "Finished RPCs by method and status code", ["rpc", "code"], registry=r
         )
+        self.http_requests = Counter(
+            "ovserve_http_requests",
+            "Finished HTTP API requests by endpoint and status (499: the client went away)",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.ttft = Histogram(
-            "ovserve_time_to_first_token_seconds", "RPC start to first token", buckets=LATENCY_BUCKETS, registry=r
+            "ovserve_time_to_first_token_seconds",
+            "Request start to first token (gRPC and HTTP)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
             "ovserve_inter_token_latency_seconds", "Time between tokens of a request", buckets=TOKEN_BUCKETS, registry=r
         )
         self.e2e = Histogram(
-            "ovserve_request_latency_seconds", "End-to-end generation RPC latency", buckets=LATENCY_BUCKETS, registry=r
+            "ovserve_request_latency_seconds",
+            "End-to-end generation latency (gRPC and HTTP)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue = Histogram(
             "ovserve_queue_time_seconds", "Time waiting before first scheduling", buckets=LATENCY_BUCKETS, registry=r
@@ -51,6 +64,13 @@ class Metrics:
         if output is not None and output.timings is not None:
             self.queue.observe(output.timings.queue)
 
+    def observe_http(self, endpoint: str, status: int, seconds: float, output: RequestOutput | None = None) -> None:
+        self.http_requests.labels(endpoint, str(status)).inc()
+        if output is not None:
+            self.e2e.observe(seconds)
+        if output is not None and output.timings is not None:
+            self.queue.observe(output.timings.queue)
+
     def serve(self, port: int, host: str) -> None:
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
 
@@ -59,6 +79,20 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class TokenClock:
+    """Time to first token and inter-token latency of one request, observed as its outputs arrive."""
+
+    def __init__(self, metrics: Metrics, started: float) -> None:
+        self.metrics, self.last = metrics, started
+        self.first = True
+
+    def tick(self, out: RequestOutput) -> None:
+        if out.token_ids:
+            now = time.monotonic()
+            self.metrics.observe_token(now - self.last, first=self.first)
+            self.last, self.first = now, False
 
 
 class EngineCollector:

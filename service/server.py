@@ -23,7 +23,8 @@ from service.core.outputs import RequestOutput
 from service.core.request import check_label
 from service.engine import Engine
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
-from service.metrics import Metrics
+from service.http import HttpServer
+from service.metrics import Metrics, TokenClock
 from service.wire import (
     SERVICE_NAME,
     generation_handler,
@@ -136,16 +137,13 @@ class GenerationServicer:
                 engine = state.require_engine()
                 ids, field = prompt_input(engine.tokenizer, request)
                 params = sampling_params(request)
-                last_token = None
+                clock = TokenClock(state.metrics, started)
                 stream = engine.generate(
                     ids, params, label, context.time_remaining(), prompt_field=field, cache_salt=request.cache_salt
                 )
                 try:
                     async for out in stream:
-                        if out.token_ids:
-                            now = time.monotonic()
-                            state.metrics.observe_token(now - (last_token or started), first=last_token is None)
-                            last_token = now
+                        clock.tick(out)
                         if out.finished:
                             call.output = out
                         yield out
@@ -191,7 +189,7 @@ class _Rpc:
     def _log(self, code: grpc.StatusCode, seconds: float, exc: BaseException | None) -> None:
         if self.request_id is None and code is grpc.StatusCode.OK:
             return
-        extra: dict[str, Any] = {"rpc": self.rpc, "code": code.name, "seconds": round(seconds, 4)}
+        extra: dict[str, Any] = {"protocol": "grpc", "rpc": self.rpc, "code": code.name, "seconds": round(seconds, 4)}
         if self.request_id is not None:
             extra["request_id"] = self.request_id
         if self.output is not None and self.output.usage is not None:
@@ -254,7 +252,8 @@ class Server:
             ("grpc.max_concurrent_streams", config.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = [BearerAuth(Path(config.auth_token_file).read_text().strip())] if config.auth_token_file else []
+        token = Path(config.auth_token_file).read_text().strip() if config.auth_token_file else None
+        interceptors = [BearerAuth(token)] if token is not None else []
         self.grpc = grpc.aio.server(options=options, interceptors=interceptors)
         self.grpc.add_generic_rpc_handlers((generation_handler(GenerationServicer(self.state)),))
         health_pb2_grpc.add_HealthServicer_to_server(self.state.health, self.grpc)
@@ -267,6 +266,8 @@ class Server:
             self.port = self.grpc.add_insecure_port(address)
         if not self.port:
             raise OSError(f"cannot bind {address}")
+        # The OpenAI-compatible HTTP API on the same loop, state and engine (service/http).
+        self.http = HttpServer(config, self.state, token) if config.http_port else None
 
     @property
     def engine(self) -> Engine | None:
@@ -278,6 +279,9 @@ class Server:
         if self.config.metrics_port:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         log.info("listening on %s:%d%s", self.config.host, self.port, " (TLS)" if self.config.tls_cert else "")
+        if self.http is not None:
+            await self.http.start()
+            log.info("HTTP API (OpenAI-compatible) at %sv1, playground at %s", self.http.url, self.http.url)
 
     async def attach(self, engine: Engine, started: bool = False) -> None:
         """Start (warm up) the engine off the event loop unless it already is, then report SERVING."""
@@ -327,6 +331,8 @@ class Server:
             await asyncio.sleep(0.05)
         if state.num_in_flight:
             log.warning("drain grace period over; cancelling %d requests", state.num_in_flight)
+        if self.http is not None:
+            await self.http.stop()
         await self.grpc.stop(grace=1.0)
         self.metrics.stop()
         if state.engine is not None:

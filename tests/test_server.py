@@ -67,8 +67,8 @@ def base_config(model: Path, **kw) -> ServerConfig:
     engine = EngineConfig(
         **{"kv_cache_gb": 0.05, "max_num_batched_tokens": 128} | {k: v for k, v in kw.items() if k in engine_fields}
     )
-    server = {k: v for k, v in kw.items() if k not in engine_fields}
-    return ServerConfig(model=str(model), port=0, metrics_port=0, engine=engine, **server)
+    server = {"port": 0, "metrics_port": 0, "http_port": 0} | {k: v for k, v in kw.items() if k not in engine_fields}
+    return ServerConfig(model=str(model), engine=engine, **server)
 
 
 @pytest.fixture(scope="module")
@@ -416,8 +416,9 @@ def test_auth_rejects_missing_or_wrong_token(tiny_qwen3_ir, tmp_path):
         running.stop()
 
 
-def test_tls(tiny_qwen3_ir, tmp_path):
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A key and a certificate for `localhost`, valid for a day."""
+    key, cert = folder / "key.pem", folder / "cert.pem"
     subprocess.run(
         [
             "openssl",
@@ -440,6 +441,11 @@ def test_tls(tiny_qwen3_ir, tmp_path):
         check=True,
         capture_output=True,
     )
+    return key, cert
+
+
+def test_tls(tiny_qwen3_ir, tmp_path):
+    key, cert = self_signed_cert(tmp_path)
     running = Running(base_config(tiny_qwen3_ir, tls_cert=str(cert), tls_key=str(key), host="localhost"))
     try:
         with Client(f"localhost:{running.server.port}", root_certificates=cert.read_bytes()) as c:
@@ -466,10 +472,14 @@ def test_sigterm_drains_in_flight_streams(tiny_qwen3_ir):
         proc.kill()
 
 
+# gRPC on any free port; metrics and the HTTP API off
+PORTS = ("--port", "0", "--metrics-port", "0", "--http-port", "0")
+
+
 def start_process(module: str, model: Path, *args: str) -> tuple[subprocess.Popen, int]:
     """`python -m module --model model` on a free port; returns once it serves, with its port."""
     env = {**os.environ, "OVSERVE_KV_CACHE_GB": "0.05"}
-    command = [sys.executable, "-m", module, "--model", str(model), "--port", "0", "--metrics-port", "0", *args]
+    command = [sys.executable, "-m", module, "--model", str(model), *PORTS, *args]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     port = None
     for line in proc.stderr:

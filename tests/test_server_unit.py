@@ -344,7 +344,7 @@ def loop():
 def test_start_server_serves_at_once(loop):
     engine = FakeEngine()
     engine.release.set()
-    server, port = loop.run(start_server(engine, ServerConfig(model="", port=0, metrics_port=0)))
+    server, port = loop.run(start_server(engine, ServerConfig(model="", port=0, metrics_port=0, http_port=0)))
     assert engine.started.is_set() and health(f"127.0.0.1:{port}") == health_pb2.HealthCheckResponse.SERVING
     with Client(f"127.0.0.1:{port}", timeout=TIMEOUT) as c:
         assert c.generate(prompt_token_ids=[1], max_new_tokens=2).text == "AB"
@@ -354,7 +354,9 @@ def test_start_server_serves_at_once(loop):
 def test_fake_engine_lifecycle_errors_and_auth(loop, tmp_path):
     token = tmp_path / "token"
     token.write_text("t0k\n")
-    config = ServerConfig(model="", port=0, metrics_port=0, drain_grace_seconds=5, auth_token_file=str(token))
+    config = ServerConfig(
+        model="", port=0, metrics_port=0, http_port=0, drain_grace_seconds=5, auth_token_file=str(token)
+    )
     engine = FakeEngine()
 
     async def make() -> Server:

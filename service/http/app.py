@@ -1,0 +1,373 @@
+"""The HTTP front's routes (Starlette): the OpenAI API, liveness and readiness, and the playground.
+
+Like the gRPC servicers, the handlers only translate (service/http/openai.py), call Engine.generate and
+map errors through one table (service/http/errors.py); the engine validates. A request's body is read and
+checked before anything reaches the engine, and nothing is sent before the engine's first output, so every
+refusal (a range, a full queue, a draining server) gets its own status code. A client that disconnects
+aborts its request: closing the engine's stream frees its KV blocks within a step."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from importlib import resources
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import Receive, Scope, Send
+
+from service.core.outputs import RequestOutput
+from service.core.request import check_label
+from service.core.stats import ModelInfo
+from service.engine import Engine
+from service.errors import InvalidArgument
+from service.http import openai, sse
+from service.http.errors import NotFound, TooLarge, Unauthenticated, error_body, status_of
+from service.metrics import Metrics, TokenClock
+from service.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from service.server import ServerState
+
+log = logging.getLogger("service.http")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+CLIENT_GONE = 499  # nginx's "client closed request": counted and logged, never sent
+MAX_SHOWN_CHARS = 200  # of a client's text quoted in a log line
+# The playground loads nothing but its own files: the browser enforces it.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:",
+    "X-Content-Type-Options": "nosniff",
+}
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready."""
+
+
+# -- one request's bookkeeping -----------------------------------------------------------------------------
+class Exchange:
+    """One API request: its counter, its log line (never prompt or reply text), its response headers."""
+
+    def __init__(self, metrics: Metrics, endpoint: str) -> None:
+        self.metrics, self.endpoint = metrics, endpoint
+        self.started = time.monotonic()
+        self.request_id: str | None = None  # set once validated: only then may it reach the log
+        self.output: RequestOutput | None = None  # the last one, once finished
+        self.error: Exception | None = None  # what ended a stream already under way
+        self.finished = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {REQUEST_ID_HEADER: self.request_id} if self.request_id else {}
+
+    def refuse(self, exc: Exception) -> Response:
+        if isinstance(exc, ClientGone):
+            self.finish(CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)  # nobody reads it
+        status = status_of(exc).code
+        self.finish(status, exc)
+        headers = self.headers | ({"WWW-Authenticate": "Bearer"} if status == 401 else {})
+        return JSONResponse(error_body(exc), status, headers)
+
+    def finish(self, status: int, exc: BaseException | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        seconds = time.monotonic() - self.started
+        self.metrics.observe_http(self.endpoint, status, seconds, self.output)
+        if self.request_id is None and exc is None:
+            return  # health probes, model lists: nothing worth a line
+        extra: dict[str, Any] = {"protocol": "http", "rpc": self.endpoint, "code": status, "seconds": round(seconds, 4)}
+        if self.request_id is not None:
+            extra["request_id"] = self.request_id
+        if self.output is not None and self.output.usage is not None:
+            extra["prompt_tokens"] = self.output.usage.prompt_tokens
+            extra["completion_tokens"] = self.output.usage.completion_tokens
+            extra["cached_prompt_tokens"] = self.output.usage.cached_prompt_tokens
+        if status == 500:
+            log.error("request failed", extra=extra, exc_info=exc)
+        elif exc is not None:
+            log.info("request refused: %s", str(exc)[:MAX_SHOWN_CHARS], extra=extra)
+        else:
+            log.info("request done", extra=extra)
+
+
+# -- reading a request -------------------------------------------------------------------------------------
+def request_label(headers: Mapping[str, str]) -> str:
+    """The client's X-Request-Id, checked like gRPC's request_id before it is echoed or logged; else a new one."""
+    given = headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return uuid.uuid4().hex
+    try:
+        check_label(given)
+    except InvalidArgument as exc:
+        raise InvalidArgument(REQUEST_ID_HEADER, str(exc).removeprefix(exc.field + ": ")) from None
+    return given
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, read no further than limit bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the body has {declared} bytes; the limit is {limit} (--max-message-bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the body is larger than the limit of {limit} bytes (--max-message-bytes)")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks), parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument("body", f"not valid JSON ({exc.msg} at character {exc.pos})") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, a NaN, nesting deeper than the parser goes
+        raise InvalidArgument("body", f"not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    return body
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def prompt_ids(tokenizer: Tokenizer, call: openai.Call) -> tuple[list[int], str]:
+    """The call's input as token ids, and the field it came from (for errors)."""
+    if call.messages is not None:
+        return tokenizer.encode_chat(call.messages), "messages"
+    if isinstance(call.prompt, str):
+        if not call.prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        return tokenizer.encode(call.prompt), "prompt"
+    return list(call.prompt or ()), "prompt"
+
+
+def check_model(name: str | None, info: ModelInfo) -> None:
+    """A request may leave the model out; one that names another model is refused rather than answered by
+    this one."""
+    if name is not None and name != info.model_id:
+        shown = name[:MAX_SHOWN_CHARS]
+        raise NotFound("model", f"the model {shown!r} does not exist; this server serves {info.model_id!r}")
+
+
+def token_text(tokenizer: Tokenizer) -> Callable[[int], str]:
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# -- the client going away ---------------------------------------------------------------------------------
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """The result of work, unless the client disconnects first: then work is cancelled (an engine stream
+    inside it closes, which aborts its request) and ClientGone raised. The body must have been read."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        first = task.done()
+        gone.cancel()
+        task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)  # the cancelled work has unwound
+    if not first:
+        raise ClientGone
+    return task.result()
+
+
+async def collect(stream: AsyncIterator[RequestOutput], clock: TokenClock, everything: bool) -> list[RequestOutput]:
+    """The first output, or all of them; `async for` does not close the stream when it stops early."""
+    outputs = []
+    async for out in stream:
+        clock.tick(out)
+        outputs.append(out)
+        if out.finished or not everything:
+            break
+    return outputs
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that runs `done` however it ends: finished, the client gone, or cancelled by shutdown."""
+
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], done: Callable[[], Awaitable[None]], headers: dict[str, str]
+    ) -> None:
+        super().__init__(events, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS | headers)
+        self.events, self.done = events, done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.events.aclose()
+            await self.done()
+
+
+# -- the API -----------------------------------------------------------------------------------------------
+Parse = Callable[[Mapping[str, Any], ModelInfo], openai.Call]
+
+
+class Api:
+    def __init__(self, state: ServerState, token: str | None, max_body_bytes: int) -> None:
+        self.state, self.max_body_bytes = state, max_body_bytes
+        self.expected = f"Bearer {token}".encode() if token else None
+        self.created = int(time.time())
+
+    def authorize(self, request: Request) -> None:
+        if self.expected is None:
+            return
+        given = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes
+        if not hmac.compare_digest(given, self.expected):
+            raise Unauthenticated("missing or wrong bearer token (Authorization: Bearer <token>)")
+
+    # -- generation --------------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, "chat.completions", openai.parse_chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "completions", openai.parse_completion)
+
+    async def generate(self, request: Request, endpoint: str, parse: Parse) -> Response:
+        ex = Exchange(self.state.metrics, endpoint)
+        try:
+            engine, call, ids, field = await self.prepare(request, ex, parse)
+        except Exception as exc:
+            return ex.refuse(exc)
+        label = ex.request_id or ""
+        stream = engine.generate(ids, call.params, label, prompt_field=field, cache_salt=call.cache_salt)
+        reply = openai.Reply(call, engine.info.model_id, label, token_text(engine.tokenizer))
+        clock = TokenClock(self.state.metrics, ex.started)
+        self.state.num_in_flight += 1
+
+        async def done() -> None:  # exactly once, however the request ends
+            await stream.aclose()
+            self.state.num_in_flight -= 1
+
+        try:
+            outputs = await until_disconnected(request, collect(stream, clock, everything=not call.stream))
+        except BaseException as exc:
+            await done()
+            if not isinstance(exc, Exception):
+                ex.finish(CLIENT_GONE)  # cancelled: the server is stopping
+                raise
+            return ex.refuse(call.renamed(exc) if isinstance(exc, InvalidArgument) else exc)
+        if call.stream:
+            return EventStream(
+                self.events(ex, reply, outputs[0], stream, clock), self.stream_done(ex, done), ex.headers
+            )
+        await done()
+        ex.output = outputs[-1]
+        ex.finish(200)
+        return JSONResponse(reply.response(outputs), headers=ex.headers)
+
+    async def prepare(self, request: Request, ex: Exchange, parse: Parse) -> tuple[Engine, openai.Call, list[int], str]:
+        """Everything checked before the engine sees the request; the token before the body is read."""
+        self.authorize(request)
+        ex.request_id = request_label(request.headers)
+        body = await read_json(request, self.max_body_bytes)
+        engine = self.state.require_engine()
+        call = parse(body, engine.info)
+        check_model(call.model, engine.info)
+        ids, field = prompt_ids(engine.tokenizer, call)
+        return engine, call, ids, field
+
+    async def events(
+        self,
+        ex: Exchange,
+        reply: openai.Reply,
+        out: RequestOutput,
+        stream: AsyncIterator[RequestOutput],
+        clock: TokenClock,
+    ) -> AsyncGenerator[bytes, None]:
+        for chunk in reply.first_chunks():
+            yield sse.event(chunk)
+        try:
+            while True:
+                for chunk in reply.chunks(out):
+                    yield sse.event(chunk)
+                if out.finished:
+                    ex.output = out
+                    break
+                out = await anext(stream)
+                clock.tick(out)
+        except Exception as exc:  # the status line is sent: the error goes in the stream, as OpenAI's do
+            ex.error = exc
+            yield sse.event(error_body(exc))
+        yield sse.DONE
+
+    def stream_done(self, ex: Exchange, done: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        async def finish() -> None:
+            await done()
+            if ex.error is not None:
+                ex.finish(status_of(ex.error).code, ex.error)
+            else:
+                ex.finish(200 if ex.output is not None else CLIENT_GONE)
+
+        return finish
+
+    # -- models, health ----------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        ex = Exchange(self.state.metrics, "models")
+        try:
+            self.authorize(request)
+            info = self.state.require_engine().info
+            if "model" in request.path_params:
+                check_model(request.path_params["model"], info)
+        except Exception as exc:
+            return ex.refuse(exc)
+        ex.finish(200)
+        model = openai.model_object(info, self.created)
+        return JSONResponse(model if "model" in request.path_params else {"object": "list", "data": [model]})
+
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        """503 while the model loads, while draining and once the engine stopped: take this replica out."""
+        try:
+            self.state.require_engine()
+        except Exception as exc:
+            return JSONResponse(error_body(exc), status_of(exc).code)
+        return JSONResponse({"status": "ready"})
+
+    async def playground(self, request: Request) -> Response:
+        page = resources.files("service.http").joinpath("static/playground.html").read_text()
+        return HTMLResponse(page, headers=PAGE_HEADERS)
+
+    async def no_route(self, request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+        message = f"no route {request.method} {request.url.path[:MAX_SHOWN_CHARS]}"
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        return JSONResponse(body, status)
+
+
+def build_app(state: ServerState, token: str | None, max_body_bytes: int) -> Starlette:
+    api = Api(state, token, max_body_bytes)
+    routes = [
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.models, methods=["GET"]),
+        Route("/health", api.live, methods=["GET"]),
+        Route("/livez", api.live, methods=["GET"]),
+        Route("/ready", api.ready, methods=["GET"]),
+        Route("/readyz", api.ready, methods=["GET"]),
+        Route("/", api.playground, methods=["GET"]),
+        Mount("/static", StaticFiles(packages=[("service.http", "static")]), name="static"),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: api.no_route})

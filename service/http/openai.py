@@ -1,0 +1,446 @@
+"""OpenAI request bodies -> the engine's inputs and SamplingParams, and engine outputs -> OpenAI objects.
+
+Only the wire's shape is checked here (which fields exist, their JSON types); every range of a sampling
+value is SamplingParams.validate's and the prompt's limits are the engine's, shared with gRPC. Errors name
+the field as the client sent it: `Call.names` maps the domain's field names back to the request's."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
+from service.core.params import SamplingParams
+from service.core.stats import ModelInfo
+from service.errors import InvalidArgument
+
+INT64 = 1 << 63
+SEED_LIMIT = 1 << 64  # the gRPC contract's uint64
+
+# Accepted and without effect: bookkeeping for OpenAI's own platform.
+IGNORED = frozenset(
+    (
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "parallel_tool_calls",
+    )
+)
+# OpenAI fields this server does not implement: a request that sets one is refused, never half-served.
+UNSUPPORTED = {
+    "tools": "tools and function calling are not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "tool_choice": "tools are not supported (only 'none')",
+    "response_format": "only {'type': 'text'} is supported",
+    "audio": "audio output is not supported",
+    "modalities": "only ['text'] is supported",
+    "logit_bias": "logit_bias is not supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "echo": "echo is not supported",
+}
+# Values of unsupported fields that ask for nothing beyond what is supported.
+HARMLESS: dict[str, Callable[[Any], bool]] = {
+    "tool_choice": lambda v: v == "none",
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "modalities": lambda v: v == ["text"],
+    "echo": lambda v: v is False,
+}
+# vLLM's extensions, taken the way vLLM takes them.
+EXTENSIONS = (
+    *("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output"),
+    *("stop_token_ids", "cache_salt"),
+)
+COMMON = (
+    *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
+    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS),
+)
+CHAT_FIELDS = frozenset((*COMMON, "messages", "max_completion_tokens", "top_logprobs"))
+COMPLETION_FIELDS = frozenset((*COMMON, "prompt"))
+MESSAGE_FIELDS = frozenset(("role", "content", "name"))  # tool_calls and the like are refused as unknown
+CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+@dataclass(frozen=True)
+class Call:
+    """One parsed request. Exactly one of messages and prompt is set."""
+
+    chat: bool
+    params: SamplingParams
+    model: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt: str | list[int] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    top_logprobs: int | None = None  # None: no logprobs; else how many alternatives to report per token
+    cache_salt: str = ""
+    names: dict[str, str] = field(default_factory=dict)  # domain field -> the request's name for it
+
+    def renamed(self, exc: InvalidArgument) -> InvalidArgument:
+        """The engine's error about one of our fields, naming the field as this request called it."""
+        for domain, ours in self.names.items():
+            if exc.field == domain or exc.field.startswith(domain + "["):
+                name = ours + exc.field[len(domain) :]
+                return InvalidArgument(name, str(exc).removeprefix(exc.field + ": "))
+        return exc
+
+
+# -- request -> domain -------------------------------------------------------------------------------------
+def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> Call:
+    fields = _present(body, CHAT_FIELDS)
+    names = {"max_new_tokens": "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"}
+    logprobs = _bool(fields, "logprobs") or False
+    top = _int(fields, "top_logprobs")
+    if top is not None and not logprobs:
+        raise InvalidArgument("top_logprobs", "needs logprobs: true")
+    names["logprobs"] = "top_logprobs"
+    max_tokens = _int(fields, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _int(fields, "max_tokens")
+    return _call(
+        fields,
+        info,
+        chat=True,
+        messages=messages(fields.get("messages")),
+        max_tokens=max_tokens,
+        top_logprobs=(top or 0) if logprobs else None,
+        names=names,
+    )
+
+
+def parse_completion(body: Mapping[str, Any], info: ModelInfo) -> Call:
+    fields = _present(body, COMPLETION_FIELDS)
+    return _call(
+        fields,
+        info,
+        chat=False,
+        prompt=prompt(fields.get("prompt")),
+        max_tokens=_int(fields, "max_tokens"),
+        top_logprobs=_int(fields, "logprobs"),
+        names={"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"},
+    )
+
+
+def _present(body: Mapping[str, Any], known: frozenset[str], where: str = "") -> dict[str, Any]:
+    """The fields that ask for something: null, [] and {} count as absent (clients send them for defaults).
+    Unknown and unsupported fields are refused so that nothing is silently ignored."""
+    fields = {k: v for k, v in body.items() if v is not None and v != [] and v != {}}
+    for name, value in fields.items():
+        param = f"{where}.{name}" if where else name
+        if name in UNSUPPORTED and not HARMLESS.get(name, lambda _: False)(value):
+            raise InvalidArgument(param, UNSUPPORTED[name])
+        if name not in known and name not in IGNORED and name not in UNSUPPORTED:
+            raise InvalidArgument(param, "unknown field")
+    for name in ("n", "best_of"):
+        count = _int(fields, name)
+        if count not in (None, 1):
+            raise InvalidArgument(name, f"only 1 choice per request is supported, got {count}")
+    return fields
+
+
+def _call(
+    fields: dict[str, Any],
+    info: ModelInfo,
+    *,
+    chat: bool,
+    max_tokens: int | None,
+    top_logprobs: int | None,
+    names: dict[str, str],
+    messages: list[dict[str, str]] | None = None,
+    prompt: str | list[int] | None = None,
+) -> Call:
+    stream = _bool(fields, "stream") or False
+    options = fields.get("stream_options")
+    if options is not None and not stream:
+        raise InvalidArgument("stream_options", "only allowed with stream: true")
+    include_usage = bool(options and _bool(_object(options, "stream_options"), "include_usage"))
+    top_k = _int(fields, "top_k")
+    sampling: dict[str, Any] = {
+        # Unset max_tokens means "until the context is full", as with OpenAI; the engine stops there.
+        "max_new_tokens": info.max_new_tokens_limit if max_tokens is None else max_tokens,
+        "min_new_tokens": _int(fields, "min_tokens"),
+        "temperature": _number(fields, "temperature"),
+        "top_p": _number(fields, "top_p"),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM's -1 and our 0 both mean no top-k cut
+        "min_p": _number(fields, "min_p"),
+        "seed": _seed(fields),
+        "repetition_penalty": _number(fields, "repetition_penalty"),
+        "presence_penalty": _number(fields, "presence_penalty"),
+        "frequency_penalty": _number(fields, "frequency_penalty"),
+        "include_stop_str_in_output": _bool(fields, "include_stop_str_in_output"),
+        "ignore_eos": _bool(fields, "ignore_eos"),
+        # The engine reports the chosen token's logprob only beside at least one alternative.
+        "logprobs": None if top_logprobs is None else max(top_logprobs, 1),
+    }
+    params = SamplingParams(
+        **{k: v for k, v in sampling.items() if v is not None},
+        stop=_stop(fields.get("stop")),
+        stop_token_ids=tuple(_ints(fields.get("stop_token_ids"), "stop_token_ids")),
+    )
+    salt = _str(fields, "cache_salt") or ""
+    return Call(
+        chat,
+        params,
+        _str(fields, "model"),
+        messages,
+        prompt,
+        stream,
+        include_usage,
+        top_logprobs,
+        salt,
+        names | {"min_new_tokens": "min_tokens"},
+    )
+
+
+def messages(raw: Any) -> list[dict[str, str]]:
+    """Chat messages as the chat template takes them: text contents only."""
+    if not isinstance(raw, list):
+        raise InvalidArgument("messages", f"must be a non-empty array of messages, got {_kind(raw)}")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        m = _present(_object(m, where), MESSAGE_FIELDS, where)
+        role = _str(m, "role", where)
+        if role is None:
+            raise InvalidArgument(f"{where}.role", "is required")
+        out.append({"role": CHAT_ROLES.get(role, role), "content": _content(m.get("content"), where)})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise InvalidArgument(f"{where}.content", f"must be a string or an array of text parts, got {_kind(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        part = _object(part, f"{where}.content[{j}]")
+        if part.get("type") != "text":
+            kind = part.get("type")
+            raise InvalidArgument(f"{where}.content[{j}].type", f"only text content is supported, got {kind!r}")
+        text = _str(part, "text", f"{where}.content[{j}]")
+        texts.append(text or "")
+    return "\n".join(texts)  # as vLLM joins text parts
+
+
+def prompt(raw: Any) -> str | list[int]:
+    """One prompt: a string or token ids, alone or as a batch of one."""
+    if isinstance(raw, list) and raw and isinstance(raw[0], str | list):
+        if len(raw) != 1:
+            raise InvalidArgument("prompt", f"one prompt per request is supported, got a batch of {len(raw)}")
+        raw = raw[0]
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and raw:
+        return _ints(raw, "prompt")
+    raise InvalidArgument("prompt", f"must be a non-empty string or array of token ids, got {_kind(raw)}")
+
+
+def _stop(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        return (raw,)
+    if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
+        return tuple(raw)
+    raise InvalidArgument("stop", "must be a string or an array of strings")
+
+
+def _seed(fields: Mapping[str, Any]) -> int | None:
+    seed = _int(fields, "seed")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise InvalidArgument("seed", f"must be in [0, 2^64), got {seed}")
+    return seed
+
+
+# -- JSON types --------------------------------------------------------------------------------------------
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidArgument(where, f"must be an object, got {_kind(value)}")
+    return value
+
+
+def _int(fields: Mapping[str, Any], name: str) -> int | None:
+    value = fields.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(name, f"must be an integer, got {_kind(value)}")
+    if not -INT64 <= value < INT64 * 2:
+        raise InvalidArgument(name, "must fit in 64 bits")
+    return value
+
+
+def _ints(values: Any, name: str) -> list[int]:
+    if values is None:
+        return []
+    if not isinstance(values, list):
+        raise InvalidArgument(name, f"must be an array of integers, got {_kind(values)}")
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(f"{name}[{i}]", f"must be an integer, got {_kind(value)}")
+    return values
+
+
+def _number(fields: Mapping[str, Any], name: str) -> float | None:
+    value = fields.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(name, f"must be a number, got {_kind(value)}")
+    if isinstance(value, int) and not -INT64 <= value < INT64:
+        raise InvalidArgument(name, "is out of range")
+    return float(value)
+
+
+def _bool(fields: Mapping[str, Any], name: str) -> bool | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgument(name, f"must be true or false, got {_kind(value)}")
+    return value
+
+
+def _str(fields: Mapping[str, Any], name: str, where: str = "") -> str | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"{where}.{name}" if where else name, f"must be a string, got {_kind(value)}")
+    return value
+
+
+# -- domain -> response ------------------------------------------------------------------------------------
+FINISH_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+def usage(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
+
+
+class Reply:
+    """Builds the response objects of one call: whole (non-streaming) or as stream chunks.
+    token_text turns a token id into its text, for logprobs."""
+
+    def __init__(self, call: Call, model: str, request_id: str, token_text: Callable[[int], str]) -> None:
+        self.call, self.model, self.token_text = call, model, token_text
+        self.id = ("chatcmpl-" if call.chat else "cmpl-") + (request_id or uuid.uuid4().hex)
+        self.created = int(time.time())
+        self.num_chars = 0  # text sent so far: completions' logprobs give each token's offset in it
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    # non-streaming
+    def response(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+        last = outputs[-1]
+        text = "".join(o.text for o in outputs)
+        logprobs = self._logprobs([lp for o in outputs for lp in o.logprobs], text_start=0)
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": _finish(last)}
+        if self.call.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice["text"] = text
+            body = self._envelope("text_completion", [choice])
+        if last.usage is not None:
+            body["usage"] = usage(last.usage)
+        return body
+
+    # streaming
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant's role, as OpenAI's do."""
+        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.call.chat else []
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The chunks for one engine output: its text (if any), then the finish reason, then usage."""
+        chunks = []
+        if out.text or out.logprobs:
+            logprobs = self._logprobs(out.logprobs, self.num_chars)
+            self.num_chars += len(out.text)
+            chunks.append(self._chunk({"content": out.text} if self.call.chat else out.text, None, logprobs))
+        if out.finished:
+            chunks.append(self._chunk({} if self.call.chat else "", _finish(out)))
+            if self.call.include_usage and out.usage is not None:
+                chunk = self._envelope(self._chunk_kind, [])
+                chunk["usage"] = usage(out.usage)
+                chunks.append(chunk)
+        return chunks
+
+    @property
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.call.chat else "text_completion"
+
+    def _chunk(self, delta: dict[str, str] | str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.call.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
+        chunk = self._envelope(self._chunk_kind, [choice])
+        if self.call.include_usage:
+            chunk["usage"] = None  # as OpenAI: only the last chunk carries usage
+        return chunk
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], text_start: int) -> dict[str, Any] | None:
+        top = self.call.top_logprobs
+        if top is None:
+            return None
+        if self.call.chat:
+            return {"content": [self._chat_logprob(lp, top) for lp in logprobs]}
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets, at = [], text_start
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self.token_text(t): v for t, v in lp.top[:top]} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, lp: TokenLogprob, top: int) -> dict[str, Any]:
+        entry = self._token_entry(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [self._token_entry(t, v) for t, v in lp.top[:top]]
+        return entry
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _finish(out: RequestOutput) -> str | None:
+    return None if out.finish_reason is None else FINISH_REASON[out.finish_reason]
+
+
+def model_object(info: ModelInfo, created: int) -> dict[str, Any]:
+    return {
+        "id": info.model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "ovserve",
+        "max_model_len": info.max_model_len,  # as vLLM reports it
+    }

@@ -1,0 +1,78 @@
+"""uvicorn serving the HTTP app on the event loop that already runs the gRPC server: one process, one engine,
+no thread between the two fronts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from service.config import ServerConfig
+from service.http.app import build_app
+
+if TYPE_CHECKING:
+    from service.server import ServerState
+
+SHUTDOWN_SECONDS = 1  # after the drain's grace: what is still streaming is cancelled after this
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # SIGTERM and SIGINT belong to `python -m service`, which drains both fronts; uvicorn must not take them.
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bound and listening now, so that a taken port fails at construction and port 0 has its number."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family)
+
+
+class HttpServer:
+    """The OpenAI-compatible API and the playground on --http-port, with the gRPC server's state (engine,
+    draining, in-flight count, metrics), bearer token, TLS certificate and body limit."""
+
+    def __init__(self, config: ServerConfig, state: ServerState, token: str | None) -> None:
+        self.socket = bind(config.host, config.http_port)
+        self.port: int = self.socket.getsockname()[1]
+        self.scheme = "https" if config.tls_cert else "http"
+        self.url = f"{self.scheme}://{config.host}:{self.port}/"
+        app = build_app(state, token, config.max_message_bytes)
+        self.server = _Uvicorn(
+            uvicorn.Config(
+                app,
+                http="h11",
+                ws="none",
+                lifespan="off",
+                log_config=None,
+                log_level="warning",
+                access_log=False,
+                server_header=False,
+                ssl_certfile=config.tls_cert,
+                ssl_keyfile=config.tls_key,
+                timeout_graceful_shutdown=SHUTDOWN_SECONDS,
+            )
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.socket]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Close the listening socket and idle connections, give open responses SHUTDOWN_SECONDS, then cancel
+        them (a cancelled stream aborts its engine request)."""
+        if self.task is None:
+            self.socket.close()
+            return
+        self.server.should_exit = True
+        await self.task

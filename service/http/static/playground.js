@@ -1,0 +1,170 @@
+// The playground: a chat with the served model over the server's own OpenAI-compatible API (same origin,
+// relative URLs so that it also works behind a path prefix). Replies stream as server-sent events read from
+// fetch's ReadableStream; Stop aborts the fetch, which closes the connection, and the server then aborts
+// the request and frees its KV cache.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const NUMBER_SETTINGS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed"];
+const history = []; // the conversation without the system prompt: {role, content}
+let controller = null; // the reply in progress
+
+function requestHeaders() {
+  const headers = { "Content-Type": "application/json" };
+  const token = $("token").value.trim();
+  if (token) headers.Authorization = "Bearer " + token;
+  return headers;
+}
+
+function settings() {
+  const body = {};
+  for (const name of NUMBER_SETTINGS) {
+    const value = $(name).value.trim();
+    if (value !== "") body[name] = Number(value);
+  }
+  if ($("ignore_eos").checked) body.ignore_eos = true;
+  return body;
+}
+
+function addMessage(role, text) {
+  const box = document.createElement("div");
+  box.className = "message " + role;
+  const label = document.createElement("div");
+  label.className = "role";
+  label.textContent = role;
+  const content = document.createElement("div");
+  content.className = "content";
+  content.textContent = text;
+  const stats = document.createElement("div");
+  stats.className = "stats";
+  box.append(label, content, stats);
+  $("log").append(box);
+  box.scrollIntoView({ block: "end" });
+  return { box, content, stats };
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+// Yields each parsed `data:` payload of an SSE response body.
+async function* events(body) {
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of event.split("\n")) {
+        if (line.startsWith("data: ") && line !== "data: [DONE]") yield JSON.parse(line.slice(6));
+      }
+    }
+  }
+}
+
+function describe(run) {
+  const parts = [];
+  if (run.first !== null) parts.push(`first token ${Math.round(run.first - run.started)} ms`);
+  const tokens = run.usage ? run.usage.completion_tokens : run.chunks;
+  const seconds = run.first !== null ? (run.ended - run.first) / 1000 : 0;
+  if (tokens > 1 && seconds > 0) parts.push(`${((tokens - 1) / seconds).toFixed(1)} tokens/s`);
+  parts.push(`${tokens} tokens`);
+  if (run.usage) {
+    const cached = run.usage.prompt_tokens_details ? run.usage.prompt_tokens_details.cached_tokens : 0;
+    parts.push(`${cached} of ${run.usage.prompt_tokens} prompt tokens cached`);
+  }
+  parts.push(run.finish);
+  return parts.join(" · ");
+}
+
+async function send() {
+  const text = $("message").value.trim();
+  if (!text || controller) return;
+  $("message").value = "";
+  history.push({ role: "user", content: text });
+  addMessage("user", text);
+  const system = $("system").value.trim();
+  const messages = (system ? [{ role: "system", content: system }] : []).concat(history);
+  const view = addMessage("assistant", "");
+  const run = { started: performance.now(), first: null, ended: null, chunks: 0, usage: null, finish: "" };
+  let reply = "";
+  controller = new AbortController();
+  setBusy(true);
+  try {
+    const body = { messages, stream: true, stream_options: { include_usage: true }, ...settings() };
+    const response = await fetch("v1/chat/completions", {
+      method: "POST",
+      headers: requestHeaders(),
+      body: JSON.stringify(body),
+      signal: controller.signal,
+    });
+    if (!response.ok) {
+      const error = await response.json().catch(() => null);
+      throw new Error(error && error.error ? error.error.message : `HTTP ${response.status}`);
+    }
+    for await (const chunk of events(response.body)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) run.usage = chunk.usage;
+      for (const choice of chunk.choices) {
+        if (choice.delta.content) {
+          if (run.first === null) run.first = performance.now();
+          run.chunks += 1;
+          reply += choice.delta.content;
+          view.content.textContent = reply;
+          view.box.scrollIntoView({ block: "end" });
+        }
+        if (choice.finish_reason) run.finish = "finished: " + choice.finish_reason;
+      }
+    }
+  } catch (error) {
+    if (error.name === "AbortError") {
+      run.finish = "stopped";
+    } else {
+      run.finish = "error";
+      const line = document.createElement("div");
+      line.className = "error";
+      line.textContent = error.message;
+      view.box.append(line);
+    }
+  } finally {
+    run.ended = performance.now();
+    controller = null;
+    setBusy(false);
+  }
+  view.stats.textContent = describe(run);
+  if (reply) history.push({ role: "assistant", content: reply });
+  else history.pop(); // nothing came back: the message can be sent again
+}
+
+async function showModel() {
+  try {
+    const response = await fetch("v1/models", { headers: requestHeaders() });
+    const body = await response.json();
+    $("model").textContent = response.ok ? body.data[0].id : body.error.message;
+  } catch (error) {
+    $("model").textContent = "server unreachable";
+  }
+}
+
+$("composer").addEventListener("submit", (event) => {
+  event.preventDefault();
+  send();
+});
+$("message").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    send();
+  }
+});
+$("stop").addEventListener("click", () => controller && controller.abort());
+$("clear").addEventListener("click", () => {
+  history.length = 0;
+  $("log").replaceChildren();
+});
+$("token").addEventListener("change", showModel);
+showModel();

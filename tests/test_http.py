@@ -1,0 +1,345 @@
+"""The OpenAI-compatible HTTP front on a real server (gRPC and HTTP on one engine), driven by the official
+`openai` package, httpx, a raw socket (to vanish mid-request) and the README's own curl commands."""
+
+import json
+import logging
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from service.client import Client
+from tests.conftest import ROOT
+from tests.test_server import TIMEOUT, Running, base_config, free_port, self_signed_cert, wait_idle
+
+LONG = {"max_tokens": 3000, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_ir):
+    running = Running(base_config(tiny_qwen3_ir, http_port=free_port(), max_num_seqs=4, max_queue=0))
+    running.url = f"http://127.0.0.1:{running.server.http.port}"
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.engine.info.model_id
+
+
+def chat(sdk, model, text="Say something.", **kw):
+    return sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], **kw)
+
+
+GREEDY = {"max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def test_chat_unary_and_stream_agree(sdk, model):
+    whole = chat(sdk, model, **GREEDY)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 12
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+    assert whole.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(chat(sdk, model, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    *_, last_choice, usage = chunks
+    assert last_choice.choices[0].finish_reason == "length" and last_choice.choices[0].delta.content is None
+    assert usage.choices == [] and usage.usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_unary_stream_and_token_ids(sdk, model, server):
+    whole = sdk.completions.create(model=model, prompt="Once upon a time", **GREEDY)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    streamed = list(sdk.completions.create(model=model, prompt="Once upon a time", stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    ids = server.engine.tokenizer.encode("Once upon a time")
+    by_ids = sdk.completions.create(model=model, prompt=ids, **GREEDY)
+    assert by_ids.choices[0].text == whole.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_grpc_and_http_share_one_engine(sdk, model, server):
+    """Same greedy text through both fronts, and a prompt computed for gRPC is a prefix-cache hit over HTTP."""
+    prompt = "A shared engine serves both fronts. " * 12
+    with Client(f"127.0.0.1:{server.server.port}", timeout=TIMEOUT) as grpc_client:
+        grpc_reply = grpc_client.generate(prompt=prompt, max_new_tokens=12, ignore_eos=True)
+    http_reply = sdk.completions.create(model=model, prompt=prompt, **GREEDY)
+    assert http_reply.choices[0].text == grpc_reply.text
+    cached = http_reply.usage.prompt_tokens_details.cached_tokens
+    assert cached >= server.engine.info.block_size and grpc_reply.usage.cached_prompt_tokens < cached
+
+
+def test_stop_strings(sdk, model):
+    text = chat(sdk, model, **GREEDY).choices[0].message.content
+    stop = text[len(text) // 2 :][:3]
+    cut = chat(sdk, model, stop=[stop], **GREEDY).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == text[: text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(sdk, model):
+    def sample(seed):
+        return chat(sdk, model, temperature=1.0, seed=seed, **GREEDY).choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert len({sample(7), sample(8), sample(9)}) > 1
+
+
+def test_logprobs(sdk, model):
+    reply = chat(sdk, model, logprobs=True, top_logprobs=3, **GREEDY).choices[0]
+    entries = reply.logprobs.content
+    assert len(entries) == 12 and "".join(e.token for e in entries) == reply.message.content
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[2].logprob for e in entries)
+    assert all(e.logprob <= 0 and bytes(e.bytes).decode() == e.token for e in entries)
+    plain = chat(sdk, model, logprobs=True, **GREEDY).choices[0].logprobs.content
+    assert [e.top_logprobs for e in plain] == [[]] * 12 and [e.token for e in plain] == [e.token for e in entries]
+    text = sdk.completions.create(model=model, prompt="Hello", logprobs=2, **GREEDY).choices[0]
+    assert len(text.logprobs.tokens) == 12 and all(len(t) <= 2 for t in text.logprobs.top_logprobs)
+    assert text.logprobs.text_offset[0] == 0 and "".join(text.logprobs.tokens) == text.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 10**9}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+        ({"n": 2}, "n"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"seed": -1}, "seed"),
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+        ({"extra_body": {"min_tokens": 99}, "max_tokens": 5}, "min_tokens"),
+        ({"extra_body": {"top_k": "5"}}, "top_k"),
+    ],
+)
+def test_invalid_fields_are_bad_requests_naming_the_field(sdk, model, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(sdk, model, **kwargs)
+    assert err.value.status_code == 400 and err.value.body["param"] == param
+    assert err.value.body["type"] == "invalid_request_error" and err.value.body["message"].startswith(param)
+
+
+def test_unsupported_content_and_unknown_model(sdk, model, server):
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": image}])
+    assert err.value.body["param"] == "messages[0].content[0].type"
+    with pytest.raises(openai.NotFoundError) as err:
+        chat(sdk, "gpt-4o")
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("gpt-4o")
+    assert sdk.models.retrieve(model).id == model and [m.id for m in sdk.models.list()] == [model]
+    n = server.engine.info.max_model_len
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(model=model, prompt=[5] * (n + 3))
+    assert err.value.body["param"] == "prompt" and str(n + 3) in err.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "param"),
+    [
+        (b"{not json", {}, 400, "body"),
+        (b"[1, 2]", {}, 400, "body"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', {}, 400, "body"),
+        (b"[" * 100_000 + b"]" * 100_000, {}, 400, "body"),
+        (b"\xff\xfe\x00garbage", {}, 400, "body"),
+        (b'{"messages": "hi"}', {}, 400, "messages"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": true}', {}, 400, "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}', {}, 400, "max_tokens"),
+        (b'{"messages": [{"role": "hacker", "content": "hi"}]}', {}, 400, "messages[0].role"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', {"X-Request-Id": "a\tb <script>"}, 400, "X-Request-Id"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', {"X-Request-Id": "x" * 129}, 400, "X-Request-Id"),
+        (b"{" + b" " * (5 << 20) + b"}", {}, 413, None),
+    ],
+)
+def test_hostile_bodies_get_clear_client_errors(server, sdk, model, body, headers, status, param):
+    reply = httpx.post(server.url + "/v1/chat/completions", content=body, headers=headers, timeout=TIMEOUT)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] and error["code"]
+    if "X-Request-Id" in headers:
+        assert "X-Request-Id" not in reply.headers  # an invalid id is not echoed
+    assert chat(sdk, model, max_tokens=2).usage.completion_tokens == 2  # the server goes on
+
+
+def test_request_ids_in_and_out(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    given = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-42"})
+    assert given.headers["X-Request-Id"] == "trace-42" and given.json()["id"] == "chatcmpl-trace-42"
+    made = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["X-Request-Id"])
+    assert made.json()["id"] == "chatcmpl-" + made.headers["X-Request-Id"]
+
+
+def running_count(engine, count: int) -> bool:
+    deadline = time.time() + 10  # the stats snapshot is published just after the step's tokens are sent
+    while engine.stats().num_running != count and time.time() < deadline:
+        time.sleep(0.01)
+    return engine.stats().num_running == count
+
+
+def test_a_stream_closed_by_the_client_frees_its_blocks(sdk, model, server):
+    stream = chat(sdk, model, stream=True, **LONG)
+    next(iter(stream))
+    assert running_count(server.engine, 1)
+    stream.close()
+    s = wait_idle(server.engine)
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
+
+
+def test_a_client_gone_before_a_unary_reply_frees_its_blocks(server):
+    body = json.dumps({"prompt": "Tell a long story.", "max_tokens": 3000, "ignore_eos": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", server.server.http.port)) as conn:
+        conn.sendall(head + body)
+        assert running_count(server.engine, 1)
+    s = wait_idle(server.engine)
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
+
+
+def test_a_full_queue_is_429(sdk, model, server):
+    streams = [chat(sdk, model, stream=True, **LONG) for _ in range(server.engine.config.max_num_seqs)]
+    try:
+        with pytest.raises(openai.RateLimitError) as err:
+            chat(sdk, model, max_tokens=2)
+        assert err.value.body["code"] == "queue_full"
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_idle(server.engine)
+
+
+def test_metrics_and_logs_say_http(sdk, model, server, caplog):
+    registry = server.server.metrics.registry
+
+    def count(endpoint, status):
+        labels = {"endpoint": endpoint, "status": status}
+        return registry.get_sample_value("ovserve_http_requests_total", labels) or 0.0
+
+    before = count("chat.completions", "200"), count("chat.completions", "400")
+    with caplog.at_level(logging.INFO, logger="service.http"):
+        chat(sdk, model, max_tokens=2, extra_headers={"X-Request-Id": "logged-1"})
+        with pytest.raises(openai.BadRequestError):
+            chat(sdk, model, temperature=-1)
+    assert (count("chat.completions", "200"), count("chat.completions", "400")) == (before[0] + 1, before[1] + 1)
+    done = [r for r in caplog.records if getattr(r, "request_id", None) == "logged-1"]
+    assert len(done) == 1 and done[0].protocol == "http" and done[0].rpc == "chat.completions"
+    assert done[0].code == 200 and done[0].completion_tokens == 2
+
+
+def test_playground_and_probes_are_served(server):
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and "default-src 'self'" in page.headers["Content-Security-Policy"]
+    assert 'src="static/playground.js"' in page.text and "http" not in page.text.split("<body>")[1]
+    assert httpx.get(server.url + "/static/playground.js").headers["content-type"].startswith("text/javascript")
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").json() == {"status": "ready"}
+    assert httpx.get(server.url + "/nowhere").json()["error"]["code"] == "not_found"
+
+
+def test_readme_curl_examples_run(server, model):
+    """The README's HTTP examples, pointed at this server: every curl command must succeed."""
+    readme = (ROOT / "README.md").read_text()
+    section = re.split(r"\n#{2,3} ", readme.split("### HTTP API", 1)[1], maxsplit=1)[0]
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
+    commands = [b for b in blocks if "curl" in b]
+    assert commands, "no curl example in the README's HTTP API section"
+    for block in commands:
+        script = block.replace("localhost:8000", f"127.0.0.1:{server.server.http.port}")
+        result = subprocess.run(["bash", "-eo", "pipefail", "-c", script], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "error" not in result.stdout and result.stdout.strip()
+    python = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert python and "base_url" in python[0]
+    script = python[0].replace("localhost:8000", f"127.0.0.1:{server.server.http.port}")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr
+
+
+# -- servers of their own ----------------------------------------------------------------------------------
+def test_auth_and_tls(tiny_qwen3_ir, tmp_path):
+    key, cert = self_signed_cert(tmp_path)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    port = free_port()
+    config = base_config(
+        tiny_qwen3_ir,
+        host="localhost",
+        http_port=port,
+        auth_token_file=str(token),
+        tls_cert=str(cert),
+        tls_key=str(key),
+    )
+    running = Running(config)
+    url = f"https://localhost:{port}"
+    try:
+        with httpx.Client(verify=str(cert), timeout=TIMEOUT) as http:
+            # the SDK would close a client it is given when used as a context manager
+            wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", http_client=http, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as err:
+                wrong.models.list()
+            assert err.value.body["code"] == "invalid_api_key"
+            sdk = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", http_client=http, max_retries=0)
+            model = sdk.models.list().data[0].id
+            assert chat(sdk, model, max_tokens=2).usage.completion_tokens == 2
+            assert http.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401  # no header
+            for probe in ("/health", "/ready", "/"):
+                assert http.get(url + probe).status_code == 200  # probes and the page need no token
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://localhost:{port}/health", timeout=5)  # TLS only
+    finally:
+        running.stop()
+
+
+def test_loading_ready_and_draining(tiny_qwen3_ir):
+    port = free_port()
+    running = Running(base_config(tiny_qwen3_ir, http_port=port, drain_grace_seconds=30), load=False)
+    url = f"http://127.0.0.1:{port}"
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    try:
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/ready").status_code == 503
+        with pytest.raises(openai.InternalServerError) as err:
+            chat(sdk, "any")
+        assert err.value.status_code == 503 and "loading" in err.value.body["message"]
+        running.call(running.server.load())
+        assert httpx.get(url + "/ready").status_code == 200
+        model = running.engine.info.model_id
+        stream = iter(chat(sdk, model, stream=True, max_tokens=200, extra_body={"ignore_eos": True}))
+        next(stream)
+        draining = threading.Thread(target=lambda: running.call(running.server.drain()))
+        draining.start()
+        deadline = time.time() + 10
+        while httpx.get(url + "/ready").status_code != 503:
+            assert time.time() < deadline, "still ready while draining"
+            time.sleep(0.02)
+        with pytest.raises(openai.InternalServerError) as err:
+            chat(sdk, model, max_tokens=2)
+        assert "draining" in err.value.body["message"]
+        assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"  # in flight: finishes
+        draining.join(TIMEOUT)
+        running.drained = True
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health")
+    finally:
+        sdk.close()
+        running.stop()

@@ -1,0 +1,117 @@
+"""The playground page in a real browser: Debian's chromium, driven by selenium through chromedriver, talking
+to a real server. Skips where chromium is not installed (`make system-packages` installs it on Debian)."""
+
+import shutil
+import time
+
+import pytest
+
+from tests.test_server import Running, base_config, free_port, wait_idle
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (CHROMIUM and DRIVER),
+        reason="needs Debian's chromium and chromium-driver (`make system-packages` installs them)",
+    ),
+]
+TIMEOUT = 60
+
+# Records, at every change of the reply's text, its length and whether the Stop button was still enabled
+# (the reply still streaming): read back after the reply to see that text arrived in pieces before its end.
+WATCH_REPLIES = """
+window.seen = [];
+new MutationObserver(() => {
+  const replies = document.querySelectorAll('.message.assistant .content');
+  if (replies.length) {
+    const last = replies[replies.length - 1];
+    window.seen.push([last.textContent.length, !document.getElementById('stop').disabled]);
+  }
+}).observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true});
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_ir):
+    running = Running(base_config(tiny_qwen3_ir, http_port=free_port()))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    driver.set_script_timeout(TIMEOUT)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def page(browser, server):
+    browser.get(f"http://127.0.0.1:{server.server.http.port}/")
+    wait_for(lambda: browser.find_element("id", "model").text == server.engine.info.model_id)
+    return browser
+
+
+def wait_for(condition, timeout: float = TIMEOUT):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def fill(page, **settings):
+    for name, value in settings.items():
+        field = page.find_element("id", name)
+        if isinstance(value, bool):
+            if field.is_selected() != value:
+                field.click()
+        else:
+            field.clear()
+            field.send_keys(str(value))
+
+
+def send(page, text: str) -> None:
+    page.find_element("id", "message").send_keys(text)
+    page.find_element("id", "send").click()
+
+
+def replies(page):
+    return page.find_elements("css selector", ".message.assistant")
+
+
+def test_a_reply_streams_in_with_its_timings(page, server):
+    page.execute_script(WATCH_REPLIES)
+    fill(page, max_tokens=48, ignore_eos=True, system="Be brief.")
+    send(page, "Hello there")
+    wait_for(lambda: replies(page) and replies(page)[-1].find_element("class name", "stats").text)
+    seen = page.execute_script("return window.seen")
+    streaming = {length for length, busy in seen if busy and length}
+    assert len(streaming) >= 2, f"text did not arrive in pieces while streaming: {seen}"
+    stats = replies(page)[-1].find_element("class name", "stats").text
+    assert "first token" in stats and "tokens/s" in stats and "48 tokens" in stats, stats
+    assert "prompt tokens cached" in stats and "finished: length" in stats, stats
+    send(page, "And again")  # the second turn sends the conversation so far and gets the first from the cache
+    wait_for(lambda: len(replies(page)) == 2 and replies(page)[-1].find_element("class name", "stats").text)
+    assert "prompt tokens cached" in replies(page)[-1].find_element("class name", "stats").text
+
+
+def test_stop_aborts_a_long_reply_on_the_server(page, server):
+    fill(page, max_tokens=3000, ignore_eos=True)
+    send(page, "Tell me a very long story")
+    wait_for(lambda: replies(page) and len(replies(page)[-1].find_element("class name", "content").text) > 20)
+    assert server.engine.stats().num_running == 1
+    page.find_element("id", "stop").click()
+    stats = replies(page)[-1].find_element("class name", "stats")
+    wait_for(lambda: "stopped" in stats.text)
+    s = wait_idle(server.engine)
+    assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
+    assert s.num_generated_tokens < 3000  # aborted, not finished
+    assert page.find_element("id", "send").is_enabled() and not page.find_element("id", "stop").is_enabled()
