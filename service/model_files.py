@@ -65,6 +65,18 @@ class ModelFiles:
         return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
     @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The sampling settings the model's authors recommend (generation_config.json), by SamplingParams
+        field name; front ends that follow OpenAI's conventions use them for fields a request leaves unset."""
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        config = self.generation_config
+        return {
+            n: float(config[n])
+            for n in names
+            if isinstance(config.get(n), int | float) and not isinstance(config[n], bool)
+        }
+
+    @property
     def context_length(self) -> int | None:
         value = self.config.get("max_position_embeddings")
         return int(value) if value is not None else None

@@ -2,6 +2,7 @@
 generated code; then a real gRPC server on localhost around a scripted fake engine."""
 
 import asyncio
+import json
 import logging
 import subprocess
 import sys
@@ -417,3 +418,27 @@ def test_fake_engine_lifecycle_errors_and_auth(loop, tmp_path):
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 50
         draining.result(TIMEOUT)
     assert engine.shut_down
+
+
+def test_openai_requests_take_the_models_sampling_defaults_then_openais():
+    from dataclasses import replace
+
+    from service.http.openai import parse_chat
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    qwen = replace(INFO, sampling_defaults=(("temperature", 0.7), ("top_p", 0.8), ("top_k", 20.0)))
+    p = parse_chat(body, qwen).params
+    assert (p.temperature, p.top_p, p.top_k) == (0.7, 0.8, 20)
+    p = parse_chat(body | {"temperature": 0, "top_k": 5}, qwen).params
+    assert (p.temperature, p.top_p, p.top_k, p.greedy) == (0, 0.8, 5, True)
+    p = parse_chat(body, INFO).params  # a model without recommendations: OpenAI's temperature 1
+    assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, 0)
+
+
+def test_model_files_read_sampling_defaults(tmp_path):
+    from service.model_files import ModelFiles
+
+    (tmp_path / "openvino_model.xml").write_text("")
+    config = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True, "min_p": None, "eos_token_id": 2}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    assert ModelFiles.read(tmp_path).sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20.0}

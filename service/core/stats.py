@@ -19,6 +19,8 @@ class ModelInfo:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    # the model's recommended sampling settings (generation_config.json), by SamplingParams field name
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,7 @@ class EngineCore:
             block_size=self.runner.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            sampling_defaults=tuple(model.sampling_defaults.items()),
         )
         log.info(
             "max_model_len %d (model context %d, KV cache holds %d tokens in %d blocks)",

@@ -185,6 +185,11 @@ def _call(
         # The engine reports the chosen token's logprob only beside at least one alternative.
         "logprobs": None if top_logprobs is None else max(top_logprobs, 1),
     }
+    # Unset sampling fields take the model's recommended settings, then OpenAI's defaults (temperature 1),
+    # as vLLM and OVMS do: a client of the OpenAI API expects sampling unless it asks for temperature 0.
+    for name, value in (*info.sampling_defaults, ("temperature", 1.0)):
+        if sampling.get(name) is None:
+            sampling[name] = int(value) if name == "top_k" else value
     params = SamplingParams(
         **{k: v for k, v in sampling.items() if v is not None},
         stop=_stop(fields.get("stop")),
@@ -335,7 +340,8 @@ def usage(u: Usage) -> dict[str, Any]:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        # cached_tokens: not computed (RAM or disk); disk_tokens, our extension: of those, restored from disk
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens, "disk_tokens": u.disk_prompt_tokens},
     }
 
 
