@@ -261,3 +261,27 @@ def test_a_server_restarted_with_sigterm_restores_from_disk(tiny_qwen3_fp16_ir, 
     assert (first.usage.cached_prompt_tokens, first.usage.disk_prompt_tokens) == (0, 0)
     assert second.usage.cached_prompt_tokens == second.usage.disk_prompt_tokens == 288
     assert list(second.token_ids) == list(first.token_ids)
+
+
+def test_a_planning_failure_after_a_load_started_leaks_nothing(disk_engine, computed, monkeypatch):
+    from service.errors import EngineFailure
+
+    run(disk_engine, HISTORY)
+    evict_from_ram(disk_engine)
+    scheduler = disk_engine.core.scheduler
+    real_schedule = scheduler.schedule
+
+    def schedule():
+        plan = real_schedule()
+        if plan.loads:  # the load was planned, but the plan never reaches the engine
+            monkeypatch.undo()
+            raise RuntimeError("injected planning failure")
+        return plan
+
+    monkeypatch.setattr(scheduler, "schedule", schedule)
+    with pytest.raises(EngineFailure):
+        run(disk_engine, HISTORY)
+    assert_no_blocks_held(disk_engine)
+    assert not scheduler.loading
+    out, usage = run(disk_engine, HISTORY)  # nothing is left waiting for the lost load
+    assert out == computed and usage.disk_prompt_tokens == 288

@@ -222,11 +222,15 @@ class EngineCore:
         # what a plan could hold: the running requests and the first waiting one (taken before planning,
         # which may preempt a running request to the front of the queue)
         candidates = [*self.scheduler.running, *list(self.scheduler.waiting)[:1]]
+        loading_before = set(self.scheduler.loading)
         try:
             plan = self.scheduler.schedule()
         except Exception as exc:
             # The plan is lost: fail what it could have held. Each such failure removes at least one
-            # request, so a request that breaks planning cannot make the engine loop.
+            # request, so a request that breaks planning cannot make the engine loop. Loads it started
+            # never reached the disk tier: end them here, or their blocks would wait for them forever.
+            for request_id in set(self.scheduler.loading) - loading_before:
+                self.scheduler.loaded(request_id, 0)
             self._fail_step(candidates, exc)
             return True
         clock.lap("schedule")

@@ -71,6 +71,7 @@ class DiskStore:
     def open(self) -> None:
         """Create the folder, prove it writable, and index what an earlier run left. Raises OSError when
         the folder cannot be used."""
+        start = time.perf_counter()
         self.folder.mkdir(parents=True, exist_ok=True)
         probe = self.folder / f"probe{TEMP_SUFFIX}"
         probe.write_bytes(b"ok")
@@ -90,7 +91,13 @@ class DiskStore:
                 self._index[digest] = Entry(size, mtime)
                 self._bytes += size
         self.evict(0)
-        log.info("kv disk tier: %d blocks (%.1f MiB) found in %s", len(self._index), self._bytes / 2**20, self.folder)
+        log.info(
+            "kv disk tier: %d blocks (%.1f MiB) found in %s in %.3f s",
+            len(self._index),
+            self._bytes / 2**20,
+            self.folder,
+            time.perf_counter() - start,
+        )
 
     # -- queries -----------------------------------------------------------------------------------------
     def __contains__(self, digest: bytes) -> bool:

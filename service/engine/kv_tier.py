@@ -157,9 +157,18 @@ class KVDiskTier:
                 else:
                     return  # closing, and nothing left to write
             if isinstance(job, _Load):
-                self.on_loaded(self._restore(job))
+                try:
+                    result = self._restore(job)
+                except Exception:  # a load must always be reported, or its blocks would never be freed
+                    log.exception("kv disk tier: restoring a prefix failed; it will be computed")
+                    result = LoadResult(job.request_id, 0, 0.0)
+                self.on_loaded(result)
             else:
-                self._write(job)
+                try:
+                    self._write(job)
+                except Exception:
+                    log.exception("kv disk tier off: writing a block failed")
+                    self.enabled = False
                 with self._wake:
                     self._pending_bytes -= job.num_bytes
 
