@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-ab bench-4b bench-llamacpp clean
+.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-kv-disk bench-ab bench-4b bench-llamacpp clean
 
 install: $(STAMP)
 
@@ -72,6 +72,13 @@ bench-memory: $(STAMP) $(MODEL)/manifest.json
 # Speculative decoding (prompt lookup) at one stream: ovserve and genai, each with and without, interleaved.
 bench-speculative: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.speculative $(MODEL) --out bench/results-speculative/results.json
+
+# The prefix cache's disk tier: TTFT of a returning conversation (history in RAM, restored from disk,
+# recomputed) and a many-users run, against the engine without the tier and genai's prefix caching.
+# For the Qwen3-4B shape: make bench-kv-disk MODEL=models/qwen3-4b-synthetic-int8 KV_DISK_ARGS="--kv-cache-gb 0.5"
+KV_DISK_ARGS ?=
+bench-kv-disk: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.kv_disk $(MODEL) $(KV_DISK_ARGS) --out bench/results-kv-disk/$(notdir $(MODEL)).json
 
 # llama.cpp (llama-cpp-python, built from source the first time) against ovserve at one stream, interleaved.
 bench-llamacpp: $(STAMP) $(MODEL)/manifest.json
