@@ -20,7 +20,16 @@ from service.server import Server
 
 log = logging.getLogger("service")
 # Fields the server attaches to its log records (logging's `extra`); never prompt or reply text.
-RECORD_FIELDS = ("request_id", "rpc", "code", "seconds", "prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+RECORD_FIELDS = (
+    "request_id",
+    "session_id",
+    "rpc",
+    "code",
+    "seconds",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_prompt_tokens",
+)
 
 
 class JsonFormatter(logging.Formatter):
