@@ -109,12 +109,12 @@ def grpc_health_check_request(authority: str = "ovserve") -> bytes:
     )
 
 
-def _health_reply(status: int) -> str:
+def health_reply(status: int) -> str:
     """The reply message framed as in a DATA frame: HealthCheckResponse{status} is field 1 as a varint."""
     return (b"\x00" + (2).to_bytes(4, "big") + bytes([0x08, status])).hex()
 
 
-SERVING, NOT_SERVING = 1, 2
+SERVING = 1  # grpc.health.v1 HealthCheckResponse.ServingStatus
 
 
 # -- HAProxy 2.6 -------------------------------------------------------------------------------------------
@@ -123,10 +123,9 @@ def haproxy_config(pool: Pool) -> str:
         "option tcp-check",
         "tcp-check connect",
         f"tcp-check send-binary {grpc_health_check_request().hex()}",
-        # The first expect ends as soon as either reply arrives, so NOT_SERVING fails the check at once
-        # instead of waiting for the check timeout; the second passes only SERVING.
-        f"tcp-check expect rbinary {_health_reply(SERVING)[:-2]}0[12]",
-        f"tcp-check expect binary {_health_reply(SERVING)}",
+        # Passes on the bytes of a SERVING reply only; NOT_SERVING (loading, draining) or no reply fails the
+        # check when `timeout check` runs out.
+        f"tcp-check expect binary {health_reply(SERVING)}",
     ]
     server_options = (
         f"proto h2 check inter {pool.check_interval_ms}ms fall 1 rise 2 "
@@ -156,6 +155,7 @@ def haproxy_config(pool: Pool) -> str:
         "  mode http",
         "  log global",
         "  option httplog" if pool.log_requests else "  option dontlog-normal",
+        "  option dontlognull",
         f"  timeout connect {pool.connect_timeout_ms}ms",
         f"  timeout client {pool.idle_timeout_s}s",
         f"  timeout server {pool.idle_timeout_s}s",
