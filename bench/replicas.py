@@ -185,7 +185,7 @@ class Conversation:
 
     name: str
     session_id: str | None
-    opening_words: int = 200
+    opening_words: int = 300
     turn_words: int = 30
     messages: list[dict[str, str]] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)

@@ -53,6 +53,7 @@ def test_validates_strictly(name, version):
 def test_kustomize_lite_equals_kubectl(name):
     if _kubectl() is None:
         pytest.skip("kubectl not installed")
+
     def key(d):
         return (d["kind"], d["metadata"]["name"])
 
