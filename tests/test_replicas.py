@@ -94,8 +94,14 @@ def _served(server: Running) -> int:
 
 
 def test_client_balances_over_several_targets(two_servers):
-    before = [_served(s) for s in two_servers]
     with Client([s.target for s in two_servers], timeout=TIMEOUT) as c:
+        # Round robin picks among the connections that are ready: until both are, one takes every call.
+        before = [_served(s) for s in two_servers]
+        deadline = time.monotonic() + TIMEOUT
+        while any(_served(s) == b for s, b in zip(two_servers, before, strict=True)):
+            assert time.monotonic() < deadline, "one replica never got a call"
+            c.generate(prompt="warm up", max_new_tokens=1)
+        before = [_served(s) for s in two_servers]
         for _ in range(8):
             assert c.generate(prompt="spread me", max_new_tokens=2, ignore_eos=True).usage.completion_tokens == 2
     assert [_served(s) - b for s, b in zip(two_servers, before, strict=True)] == [8, 8]
