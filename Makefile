@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-kv-disk bench-ab bench-4b bench-llamacpp clean
+.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-kv-disk bench-ab bench-4b bench-llamacpp bench-replicas clean
 
 install: $(STAMP)
 
@@ -84,6 +84,12 @@ bench-kv-disk: $(STAMP) $(MODEL)/manifest.json
 bench-llamacpp: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q -e '.[llamacpp]'
 	$(PY) -m bench.llamacpp $(MODEL) --rounds 8 --out bench/results-llamacpp
+
+# One replica with 2 threads against two with 1 (same load), then multi-turn conversations through HAProxy
+# over three replicas, session hashing against round robin (bench/replicas.py; haproxy from system-packages).
+bench-replicas: $(STAMP) $(MODEL)/manifest.json system-packages
+	$(PY) -m bench.replicas scaling --model $(MODEL) --out bench/results-replicas/results.json
+	$(PY) -m bench.replicas affinity --model $(MODEL) --out bench/results-replicas/results.json
 
 clean:
 	rm -rf .venv models/*/ .pytest_cache

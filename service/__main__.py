@@ -24,6 +24,7 @@ log = logging.getLogger("service")
 RECORD_FIELDS = (
     "request_id",
     "protocol",
+    "session_id",
     "rpc",
     "code",
     "seconds",

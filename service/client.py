@@ -1,20 +1,30 @@
 """A small client for ovserve.v1.Generation, and `python -m service.client` to chat from a terminal.
 
-from service.client import Client
+from service.client import Client, new_session_id
 
 with Client("localhost:50051") as client:
     for delta in client.stream_chat([{"role": "user", "content": "Hi!"}], max_new_tokens=64):
         print(delta, end="", flush=True)
     reply = client.generate(prompt="The capital of France is", max_new_tokens=8)
     print(reply.text, reply.finish_reason, reply.usage.completion_tokens)
+
+Many replicas: give several addresses (["10.0.0.1:50051", "10.0.0.2:50051"] or "ipv4:10.0.0.1:50051,10.0.0.2:50051")
+or a DNS name that resolves to all of them ("dns:///ovserve-headless.ovserve.svc.cluster.local:50051"); requests
+go round robin, and a request refused with UNAVAILABLE before any response is retried on another replica. Pass
+the same session_id (new_session_id()) with every turn of a conversation so that a load balancer can keep it
+on the replica that holds its prefix cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import json
 import sys
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -54,25 +64,138 @@ def build_request(
     return request
 
 
+SESSION_KEY = "x-session-id"  # the metadata key load balancers hash on (service/server.py checks it)
+
+# Round robin over every address the target resolves to. Retries: gRPC retries a call only while no response
+# has been received from the server (not even headers); once a reply has started it is never retried, so a
+# retry never duplicates tokens. UNAVAILABLE before any response means the replica was loading, draining or
+# unreachable: the next attempt goes to the next replica. maxAttempts counts the first try (gRPC caps it
+# at 5); each wait is random up to the current backoff.
+SERVICE_CONFIG: dict[str, Any] = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [
+        {
+            "name": [{"service": "ovserve.v1.Generation"}],
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.25s",
+                "maxBackoff": "2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ],
+}
+CHANNEL_OPTIONS: list[tuple[str, object]] = [
+    ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
+    ("grpc.enable_retries", 1),
+    # Our config, not one published in DNS TXT records, decides balancing and retries.
+    ("grpc.service_config_disable_resolution", 1),
+]
+
+
+def new_session_id() -> str:
+    """A fresh session key for a new conversation: 32 hex digits, valid wherever x-session-id is checked."""
+    return uuid.uuid4().hex
+
+
+def channel_target(target: str | Sequence[str]) -> str:
+    """One gRPC target for one or several replicas. A string is used as is ("host:port", "dns:///name:port",
+    "ipv4:a:p,b:q"); a list of IP address:port pairs becomes an ipv4: or ipv6: target. gRPC has no scheme for
+    a list of host names: put them behind one DNS name instead."""
+    if isinstance(target, str):
+        return target
+    if not target:
+        raise ValueError("no target given")
+    hosts = []
+    for item in target:
+        host, sep, port = item.rpartition(":")
+        try:
+            ip = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            ip = None
+        if not sep or not port.isdigit() or ip is None:
+            raise ValueError(
+                f"{item!r}: give IP address:port pairs, or one dns:/// name that resolves to every replica"
+            )
+        hosts.append((ip, int(port)))
+    versions = {ip.version for ip, _ in hosts}
+    if len(versions) > 1:
+        raise ValueError("mix of IPv4 and IPv6 addresses: gRPC takes one family per target")
+    if versions == {4}:
+        return "ipv4:" + ",".join(f"{ip}:{port}" for ip, port in hosts)
+    return "ipv6:" + ",".join(f"[{ip}]:{port}" for ip, port in hosts)
+
+
+class ReplicaLost(grpc.RpcError):
+    """UNAVAILABLE for a call whose stream ended without a status: the replica answering it died or was cut
+    off mid-reply behind a proxy. gRPC itself reports that as UNKNOWN (HAProxy ends the stream) or INTERNAL
+    (Envoy resets it), both "Stream removed"; a direct connection to a dead replica already gives
+    UNAVAILABLE. The reply had started, so it was not retried: send the turn again."""
+
+    def __init__(self, cause: grpc.RpcError) -> None:
+        super().__init__(cause)
+        self._details = f"the replica was lost mid-reply ({cause.code().name}: {cause.details()})"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+    def __str__(self) -> str:
+        return f"UNAVAILABLE: {self._details}"
+
+
+def _lost(exc: grpc.RpcError) -> bool:
+    code, details = exc.code(), exc.details() or ""
+    return code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and details.startswith("Stream removed")
+
+
+class _Stream:
+    """A response stream whose cut-off end is reported as ReplicaLost; cancel() and the call's other methods
+    pass through."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[pb.GenerateStreamResponse]:
+        return self
+
+    def __next__(self) -> pb.GenerateStreamResponse:
+        try:
+            return next(self._call)
+        except grpc.RpcError as exc:
+            if _lost(exc):
+                raise ReplicaLost(exc) from exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
 class Client:
-    """Blocking client. token: bearer token; root_certificates: PEM of the CA that signed the server's
-    certificate (TLS); timeout: default deadline in seconds of each call."""
+    """Blocking client. target: one address, a gRPC target (dns:///, ipv4:), or a list of IP address:port
+    pairs; token: bearer token; root_certificates: PEM of the CA that signed the server's certificate (TLS);
+    timeout: default deadline in seconds of each call; options: gRPC channel options, ours replaced."""
 
     def __init__(
         self,
-        target: str = "localhost:50051",
+        target: str | Sequence[str] = "localhost:50051",
         token: str | None = None,
         root_certificates: bytes | None = None,
         timeout: float | None = None,
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
+        given = {name for name, _ in options}
+        merged = [o for o in CHANNEL_OPTIONS if o[0] not in given] + list(options)
         if root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates)
-            self.channel = grpc.secure_channel(target, creds, options=list(options))
+            self.channel = grpc.secure_channel(channel_target(target), creds, options=merged)
         else:
-            self.channel = grpc.insecure_channel(target, options=list(options))
+            self.channel = grpc.insecure_channel(channel_target(target), options=merged)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout = timeout
 
     def __enter__(self) -> Client:
@@ -87,15 +210,29 @@ class Client:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def generate(self, timeout: float | None = None, **request) -> pb.GenerateResponse:
-        """The whole reply; request takes build_request's arguments."""
-        return self.stub.Generate(build_request(**request), timeout=self._timeout(timeout), metadata=self.metadata)
+    def _metadata(self, session_id: str | None) -> tuple[tuple[str, str], ...]:
+        return self.metadata + ((SESSION_KEY, session_id),) if session_id else self.metadata
 
-    def stream(self, timeout: float | None = None, **request) -> Iterator[pb.GenerateStreamResponse]:
+    def generate(self, timeout: float | None = None, session_id: str | None = None, **request) -> pb.GenerateResponse:
+        """The whole reply; request takes build_request's arguments. session_id: the conversation's key
+        (new_session_id()), the same for all its turns."""
+        try:
+            return self.stub.Generate(
+                build_request(**request), timeout=self._timeout(timeout), metadata=self._metadata(session_id)
+            )
+        except grpc.RpcError as exc:
+            if _lost(exc):
+                raise ReplicaLost(exc) from exc
+            raise
+
+    def stream(
+        self, timeout: float | None = None, session_id: str | None = None, **request
+    ) -> Iterator[pb.GenerateStreamResponse]:
         """The reply as it is generated; cancel() the returned iterator to abort the request."""
-        return self.stub.GenerateStream(
-            build_request(**request), timeout=self._timeout(timeout), metadata=self.metadata
+        call = self.stub.GenerateStream(
+            build_request(**request), timeout=self._timeout(timeout), metadata=self._metadata(session_id)
         )
+        return _Stream(call)
 
     def stream_chat(self, messages: Sequence[dict[str, str]], **request) -> Iterator[str]:
         """Text deltas of the assistant's reply to messages."""
@@ -119,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m service.client", description="Stream the model's chat reply to a message."
     )
     p.add_argument("message", nargs="*", help="the user message (read from stdin when absent)")
-    p.add_argument("--target", default="localhost:50051", help="server address (default %(default)s)")
+    p.add_argument(
+        "--target",
+        default="localhost:50051",
+        help="server address, a dns:/// name, or ipv4:a:p,b:q for several replicas (default %(default)s)",
+    )
+    p.add_argument("--session-id", help="x-session-id to send (routes a conversation's turns to one replica)")
     p.add_argument("--system", help="a system message before the user message")
     p.add_argument("--raw", action="store_true", help="send the text as a raw prompt, without the chat template")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -151,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         with Client(args.target, token, certs, args.timeout) as client:
-            for chunk in client.stream(**inputs, stop=args.stop, **options):
+            for chunk in client.stream(**inputs, stop=args.stop, session_id=args.session_id, **options):
                 print(chunk.text, end="", flush=True)
                 if chunk.finish_reason and args.usage:
                     u, t = chunk.usage, chunk.timings

@@ -14,6 +14,14 @@ from service.core.outputs import RequestOutput
 from service.core.stats import DiskTierStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The same gauges under the names the Gateway API Inference Extension's endpoint picker reads by default
+# (its --total-queued-requests-metric, --total-running-requests-metric, --kv-cache-usage-percentage-metric
+# flags; vLLM's names), so an InferencePool of ovserve replicas needs no flags to route on load.
+EPP_ALIASES = {
+    "ovserve_waiting_requests": "vllm:num_requests_waiting",
+    "ovserve_running_requests": "vllm:num_requests_running",
+    "ovserve_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+}
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
@@ -120,6 +128,8 @@ class EngineCollector:
             ("ovserve_tokens_per_step", "Tokens computed in the last engine step", s.tokens_per_step),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+            if name in EPP_ALIASES:
+                yield GaugeMetricFamily(EPP_ALIASES[name], f"{doc} (alias of {name})", value=value)
         for name, doc, value in (
             ("ovserve_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions),
             ("ovserve_prompt_tokens", "Prompt tokens computed (prefix cache hits excluded)", s.num_prompt_tokens),

