@@ -46,7 +46,7 @@ class Replica:
         self.port = free_port()
         self.log = log
         command = [sys.executable, "-m", "service", "--model", str(model), "--host", "127.0.0.1"]
-        command += ["--port", str(self.port), "--metrics-port", "0", "--threads", str(threads)]
+        command += ["--port", str(self.port), "--metrics-port", "0", "--http-port", "0", "--threads", str(threads)]
         command += ["--kv-cache-gb", str(kv_cache_gb), *args]
         with log.open("w") as out:
             self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
