@@ -64,7 +64,7 @@ def build_request(
     return request
 
 
-SESSION_KEY = "x-session-id"  # the metadata key load balancers hash on (service/server.py checks it)
+SESSION_KEY = "x-session-id"  # the metadata key load balancers hash on (service/core/request.py checks it)
 
 # Round robin over every address the target resolves to. Retries: gRPC retries a call only while no response
 # has been received from the server (not even headers); once a reply has started it is never retried, so a

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.config import ServerConfig
 from service.core.outputs import RequestOutput
-from service.core.request import LABEL, MAX_LABEL_CHARS, check_label
+from service.core.request import SESSION_KEY, check_label, session_key
 from service.engine import Engine
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
 from service.http import HttpServer
@@ -44,7 +44,6 @@ HEALTH_EXEMPT_PREFIX = f"/{health.SERVICE_NAME}/"
 # The conversation a request belongs to, set by clients for every turn (gRPC metadata; the HTTP header of the
 # same name). Load balancers hash it to send a conversation's turns to the replica holding its KV cache; the
 # server only validates and logs it.
-SESSION_KEY = "x-session-id"
 
 # The one table from domain errors to status codes. Anything else (EngineFailure included) is INTERNAL.
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
@@ -65,19 +64,7 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
 
 def session_id(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The request's x-session-id, checked like request_id before it reaches a log line."""
-    values = [value for key, value in metadata or () if key == SESSION_KEY]
-    if not values:
-        return None
-    if len(values) > 1:
-        raise InvalidArgument(SESSION_KEY, f"given {len(values)} times; send it once")
-    (value,) = values
-    if isinstance(value, bytes) or not LABEL.fullmatch(value):
-        raise InvalidArgument(
-            SESSION_KEY,
-            f"must be 1 to {MAX_LABEL_CHARS} characters among letters, digits and ._:/+=@~- "
-            f"(got {len(value)} {'bytes' if isinstance(value, bytes) else 'characters'})",
-        )
-    return value
+    return session_key([value for key, value in metadata or () if key == SESSION_KEY])
 
 
 def status_details(exc: BaseException) -> str:

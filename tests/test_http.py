@@ -169,6 +169,7 @@ def test_unsupported_content_and_unknown_model(sdk, model, server):
         (b'{"messages": [{"role": "user", "content": "hi"}]}', {"X-Request-Id": "a\tb <script>"}, 400, "X-Request-Id"),
         (b'{"messages": [{"role": "user", "content": "hi"}]}', {"X-Request-Id": "x" * 129}, 400, "X-Request-Id"),
         (b"{" + b" " * (5 << 20) + b"}", {}, 413, None),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', {"X-Session-Id": "a b <script>"}, 400, "x-session-id"),
     ],
 )
 def test_hostile_bodies_get_clear_client_errors(server, sdk, model, body, headers, status, param):
@@ -237,13 +238,13 @@ def test_metrics_and_logs_say_http(sdk, model, server, caplog):
 
     before = count("chat.completions", "200"), count("chat.completions", "400")
     with caplog.at_level(logging.INFO, logger="service.http"):
-        chat(sdk, model, max_tokens=2, extra_headers={"X-Request-Id": "logged-1"})
+        chat(sdk, model, max_tokens=2, extra_headers={"X-Request-Id": "logged-1", "X-Session-Id": "chat-7"})
         with pytest.raises(openai.BadRequestError):
             chat(sdk, model, temperature=-1)
     assert (count("chat.completions", "200"), count("chat.completions", "400")) == (before[0] + 1, before[1] + 1)
     done = [r for r in caplog.records if getattr(r, "request_id", None) == "logged-1"]
     assert len(done) == 1 and done[0].protocol == "http" and done[0].rpc == "chat.completions"
-    assert done[0].code == 200 and done[0].completion_tokens == 2
+    assert done[0].code == 200 and done[0].completion_tokens == 2 and done[0].session_id == "chat-7"
 
 
 def test_playground_and_probes_are_served(server):

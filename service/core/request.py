@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,26 @@ MAX_CACHE_SALT_CHARS = 256
 def check_cache_salt(salt: str) -> None:
     if len(salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+
+
+SESSION_KEY = "x-session-id"  # gRPC metadata and HTTP header: the conversation, for load balancers
+
+
+def session_key(values: Sequence[str | bytes]) -> str | None:
+    """The request's x-session-id from the values it was sent with (None when absent), checked like
+    request_id before it reaches a log line; load balancers hash it, the engine never reads it."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidArgument(SESSION_KEY, f"given {len(values)} times; send it once")
+    (value,) = values
+    if isinstance(value, bytes) or not LABEL.fullmatch(value):
+        raise InvalidArgument(
+            SESSION_KEY,
+            f"must be 1 to {MAX_LABEL_CHARS} characters among letters, digits and ._:/+=@~- "
+            f"(got {len(value)} {'bytes' if isinstance(value, bytes) else 'characters'})",
+        )
+    return value
 
 
 def check_label(label: str) -> None:

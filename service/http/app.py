@@ -27,7 +27,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from service.core.outputs import RequestOutput
-from service.core.request import check_label
+from service.core.request import SESSION_KEY, check_label, session_key
 from service.core.stats import ModelInfo
 from service.engine import Engine
 from service.errors import InvalidArgument
@@ -64,6 +64,7 @@ class Exchange:
         self.metrics, self.endpoint = metrics, endpoint
         self.started = time.monotonic()
         self.request_id: str | None = None  # set once validated: only then may it reach the log
+        self.session_id: str | None = None  # likewise
         self.output: RequestOutput | None = None  # the last one, once finished
         self.error: Exception | None = None  # what ended a stream already under way
         self.finished = False
@@ -92,6 +93,8 @@ class Exchange:
         extra: dict[str, Any] = {"protocol": "http", "rpc": self.endpoint, "code": status, "seconds": round(seconds, 4)}
         if self.request_id is not None:
             extra["request_id"] = self.request_id
+        if self.session_id is not None:
+            extra["session_id"] = self.session_id
         if self.output is not None and self.output.usage is not None:
             extra["prompt_tokens"] = self.output.usage.prompt_tokens
             extra["completion_tokens"] = self.output.usage.completion_tokens
@@ -278,6 +281,7 @@ class Api:
         """Everything checked before the engine sees the request; the token before the body is read."""
         self.authorize(request)
         ex.request_id = request_label(request.headers)
+        ex.session_id = session_key(request.headers.getlist(SESSION_KEY))
         body = await read_json(request, self.max_body_bytes)
         engine = self.state.require_engine()
         call = parse(body, engine.info)
