@@ -29,6 +29,7 @@ K8S = DEPLOY / "k8s"
 # --- What the server accepts (python -m service). Fix here if its flags or environment change. ---
 ENV_PORT = "OVSERVE_PORT"
 ENV_METRICS_PORT = "OVSERVE_METRICS_PORT"
+ENV_HTTP_PORT = "OVSERVE_HTTP_PORT"
 ENV_THREADS = "OVSERVE_THREADS"
 ENV_KV_CACHE_GB = "OVSERVE_KV_CACHE_GB"
 ENV_DRAIN_GRACE = "OVSERVE_DRAIN_GRACE_SECONDS"
@@ -36,6 +37,7 @@ ENV_MODEL = "OVSERVE_MODEL"
 ENV_HOST = "OVSERVE_HOST"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9090
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_DRAIN_GRACE = 30.0
 SERVER_MODULE = "service"
 CONVERT_MODULE = "convert"
@@ -233,9 +235,11 @@ def test_probe_and_service_ports_equal_server_ports(name):
     cfg, c = config(docs), server(docs)
     grpc_port = int(cfg.get(ENV_PORT, DEFAULT_PORT))
     metrics_port = int(cfg.get(ENV_METRICS_PORT, DEFAULT_METRICS_PORT))
+    http_port = int(cfg.get(ENV_HTTP_PORT, DEFAULT_HTTP_PORT))
     assert cfg[ENV_HOST] == "0.0.0.0"
     assert container_port(c, "grpc") == grpc_port
     assert container_port(c, "metrics") == metrics_port
+    assert container_port(c, "http") == http_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == grpc_port, probe
         assert c[probe]["grpc"].get("service", "") == "", "probe the overall health status"
@@ -247,13 +251,14 @@ def test_probe_and_service_ports_equal_server_ports(name):
                 assert p["appProtocol"] == "kubernetes.io/h2c"
                 assert p["port"] == grpc_port
     plain = one(docs, "Service", "ovserve")
-    assert {p["name"] for p in plain["spec"]["ports"]} == {"grpc", "metrics"}
+    assert {p["name"] for p in plain["spec"]["ports"]} == {"grpc", "http", "metrics"}
     (rule,) = one(docs, "NetworkPolicy")["spec"]["ingress"]
     assert one(docs, "NetworkPolicy")["spec"]["policyTypes"] == ["Ingress"]
     assert "from" not in rule or rule["from"]
     assert {(p["port"], p.get("protocol", "TCP")) for p in rule["ports"]} == {
         (grpc_port, "TCP"),
         (metrics_port, "TCP"),
+        (http_port, "TCP"),
     }
     annotations = one(docs, "Deployment")["spec"]["template"]["metadata"].get("annotations", {})
     if "prometheus.io/port" in annotations:
