@@ -14,6 +14,10 @@ below RAM: once evicted, a history is computed again).
 3. No restore, no loss: decode throughput of a batch of new prompts with the tier on and off (the tier
    still writes every block that fills).
 
+--after-restart (for large models, where evicting a RAM pool by computing prompts takes too long): each
+history is computed once by an engine with the tier, which then stops; a new engine finds it on disk and
+answers the next turn (restored), and an engine without the tier answers the same turn cold (recomputed).
+
 Token ids are random (fixed seed): the costs measured do not depend on the text.
 """
 
@@ -183,6 +187,37 @@ def many_users(engines, rng, pool_tokens, multiple, history, turns, vocab) -> di
     return results
 
 
+def after_restart(model: str, kv_cache_gb: float, lengths: list[int], disk: str) -> dict:
+    rng = random.Random(1)
+    results: dict = {}
+    for length in lengths:
+        first = Ours(model, kv_cache_gb, disk)
+        vocab = first.engine.info.vocab_size
+        history = random_ids(rng, length, vocab)
+        ask = random_ids(rng, TURN_TOKENS, vocab)
+        computed = first.turn(history)[0]
+        first.close()  # a graceful stop: every block is on disk
+        restarted = Ours(model, kv_cache_gb, disk)
+        restored, recomputed_tokens, _ = restarted.turn(history + ask)
+        disk_stats = restarted.engine.stats().disk
+        seconds = disk_stats.restore_seconds_total if disk_stats else 0.0
+        restarted.close()
+        cold_engine = Ours(model, kv_cache_gb, None)
+        cold, cold_tokens, _ = cold_engine.turn(history + ask)
+        cold_engine.close()
+        results[str(length)] = {
+            "first_turn_s": computed,
+            "restored_ttft_s": restored,
+            "restore_io_s": seconds,
+            "restored_turn_computed_tokens": recomputed_tokens,
+            "recomputed_ttft_s": cold,
+            "recomputed_turn_computed_tokens": cold_tokens,
+            "speedup": cold / restored,
+        }
+        print(f"{length}: restored {restored:.2f} s (I/O {seconds:.2f} s), recomputed {cold:.2f} s", flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kv_disk", description=__doc__)
     p.add_argument("model")
@@ -192,10 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-multiple", type=int, default=5)
     p.add_argument("--history", type=int, default=1500, help="tokens per conversation in the many-users run")
     p.add_argument("--turns", type=int, default=3, help="turns per conversation in the many-users run")
+    p.add_argument("--after-restart", action="store_true", help="only the restart measurement (see above)")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="kv-disk-", dir=Path(a.out).parent if a.out else None) as disk:
+        if a.after_restart:
+            restarts = {"model": a.model, "after_restart": after_restart(a.model, a.kv_cache_gb, a.lengths, disk)}
+            print(json.dumps(restarts, indent=1))
+            if a.out:
+                Path(a.out).write_text(json.dumps(restarts, indent=1))
+            return 0
         tier, plain = Ours(a.model, a.kv_cache_gb, disk), Ours(a.model, a.kv_cache_gb, None)
         info = tier.engine.info
         vocab = info.vocab_size
