@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import tempfile
@@ -197,11 +198,15 @@ def after_restart(model: str, kv_cache_gb: float, lengths: list[int], disk: str)
         ask = random_ids(rng, TURN_TOKENS, vocab)
         computed = first.turn(history)[0]
         first.close()  # a graceful stop: every block is on disk
+        del first
+        gc.collect()  # one model in memory at a time (4 GB packed for the Qwen3-4B shape)
         restarted = Ours(model, kv_cache_gb, disk)
         restored, recomputed_tokens, _ = restarted.turn(history + ask)
         disk_stats = restarted.engine.stats().disk
         seconds = disk_stats.restore_seconds_total if disk_stats else 0.0
         restarted.close()
+        del restarted
+        gc.collect()
         cold_engine = Ours(model, kv_cache_gb, None)
         cold, cold_tokens, _ = cold_engine.turn(history + ask)
         cold_engine.close()
