@@ -85,6 +85,25 @@ def test_least_recently_used_go_first(tmp_path):
     assert not (store.folder / (digest(1).hex() + ".kvb")).exists()
 
 
+def test_a_chains_head_is_evicted_last(tmp_path):
+    """Blocks are used in chain order, but a chain is only reachable from its head: touching marks the
+    head as the most recently used, so eviction takes tails first."""
+    store = opened(tmp_path, capacity=3 * (HEADER.size + 10))
+    chain = [digest(i) for i in range(3)]
+    for d in chain:
+        store.write(d, b"x" * 10)
+    store.touch(chain)
+    store.write(digest(9), b"y" * 10)
+    assert store.count_chain(chain) == 2 and chain[2] not in store
+
+
+def test_a_block_larger_than_the_store_is_not_written(tmp_path):
+    store = opened(tmp_path, capacity=100)
+    store.write(digest(0), b"x" * 10)
+    store.write(digest(1), b"x" * 200)
+    assert digest(0) in store and digest(1) not in store
+
+
 def test_idle_blocks_expire(tmp_path):
     store = opened(tmp_path, ttl=0.2)
     store.write(digest(0), b"x")
@@ -103,6 +122,7 @@ def test_reopen_rebuilds_the_index_and_clears_leftovers(tmp_path):
     store.read(digest(0))
     (store.folder / "half-written.kvb.tmp").write_bytes(b"junk")
     (store.folder / "notes.txt").write_text("not ours")
+    (store.folder / (digest(7).hex().upper() + ".kvb")).write_text("not a name we write")
     again = opened(tmp_path, capacity=3 * (HEADER.size + 10))  # smaller: the oldest go at once
     assert [digest(i) in again for i in range(4)] == [True, False, True, True]
     assert not (again.folder / "half-written.kvb.tmp").exists()
@@ -159,7 +179,8 @@ def test_blocks_round_trip_byte_for_byte(tmp_path):
     assert reports.wait() == LoadResult(7, 2, reports.results[-1].seconds)
     for array, original in zip(cache, originals, strict=True):
         assert array[[5, 6]].tobytes() == original.tobytes()
-    tier.save([(digest(0), 5)])  # already stored: not written again
+    tier.save([(digest(0), 5)])  # already stored: not even queued
+    assert tier.pending_bytes == 0
     tier.close(5)
     assert tier.store.counters.num_written == 2
 
@@ -185,10 +206,10 @@ def test_writes_that_fall_behind_are_skipped_not_queued(tmp_path):
     block_bytes = sum(a[0].nbytes for a in cache)
     tier = KVDiskTier(DiskStore(tmp_path, IDENTITY, 1 << 20), cache, Reports(), max_pending_bytes=2 * block_bytes)
     tier.start()
-    tier.save([(digest(i), i) for i in range(3)])  # more than may wait in the queue: none is queued
-    tier.save([(digest(3), 3), (digest(4), 4)])
+    tier.save([(digest(i), i) for i in range(3)])  # one more than may wait: the chain's tail is skipped
     tier.close(5)
-    assert tier.counters.num_skipped == 3 and tier.store.counters.num_written == 2
+    assert tier.counters.num_skipped == 1 and tier.store.counters.num_written == 2
+    assert tier.store.count_chain([digest(0), digest(1), digest(2)]) == 2
 
 
 def test_an_unusable_folder_leaves_the_tier_off(tmp_path, caplog):
@@ -220,7 +241,21 @@ def test_a_full_disk_turns_the_tier_off_with_one_warning(small_tmpfs, caplog):
         tier.save([(digest(i), i)])
         time.sleep(0.02)
     tier.close(5)
-    assert not tier.enabled
-    assert caplog.text.count("kv disk tier off") == 1
+    assert not tier.writable and tier.enabled  # what was stored can still be restored
+    assert caplog.text.count("writing to") == 1
     assert 1 <= tier.store.counters.num_written < 8
     assert not list(small_tmpfs.rglob("*.tmp")), "a failed write leaves no temporary file"
+
+
+def test_idle_blocks_expire_without_any_write(tmp_path):
+    """The TTL is a privacy promise: an idle server's I/O thread removes expired blocks on its own."""
+    cache = cache_arrays()
+    tier = KVDiskTier(DiskStore(tmp_path, IDENTITY, 1 << 20, ttl_seconds=0.3), cache, Reports())
+    tier.start()
+    tier.save([(digest(0), 0)])
+    wait_written(tier.store, 1)
+    deadline = time.monotonic() + 10
+    while list(tmp_path.rglob("*.kvb")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(tmp_path.rglob("*.kvb")) and tier.store.num_blocks == 0
+    tier.close(5)

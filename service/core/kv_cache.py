@@ -46,7 +46,7 @@ class KVCacheManager:
         self.identity = identity
         self._tables: dict[int, list[Block]] = {}
         self._digests: dict[int, list[bytes]] = {}  # digests of each request's full blocks, computed once
-        self.newly_cached: list[Block] = []  # blocks that entered the cache since take_newly_cached()
+        self._newly_cached: list[Block] = []  # blocks that entered the cache since take_newly_cached()
         self.num_hit_tokens = 0
         self.num_queried_tokens = 0
 
@@ -129,11 +129,11 @@ class KVCacheManager:
         digests = self.full_block_digests(request_id, token_ids[: num_full * self.block_size], cache_salt)
         for i in range(num_full):
             if table[i].digest is None and self.pool.cache(table[i], digests[i]):
-                self.newly_cached.append(table[i])
+                self._newly_cached.append(table[i])
 
     def take_newly_cached(self) -> list[Block]:
         """The blocks that entered the prefix cache since the last call and still hold that content."""
-        blocks, self.newly_cached = self.newly_cached, []
+        blocks, self._newly_cached = self._newly_cached, []
         return [b for b in blocks if b.digest is not None]
 
     def trim(self, request_id: int, num_tokens: int) -> None:

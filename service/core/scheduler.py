@@ -73,6 +73,10 @@ class DiskLookup(Protocol):
         """How many of digests, from the first on, can be restored."""
         ...
 
+    def touch(self, digests: Sequence[bytes]) -> None:
+        """These blocks were used (found in RAM): their disk copies are not the ones to drop first."""
+        ...
+
 
 @dataclass
 class StepPlan:
@@ -153,10 +157,12 @@ class Scheduler:
             return
         self._restoring.difference_update(load.digests)
         request = load.request
-        if request.status is Status.FINISHED:  # aborted or expired while loading
+        num_restored = num_loaded * self.kv.block_size
+        if request.status is Status.FINISHED:  # aborted or expired while loading: keep what was restored
+            num_tokens = request.num_computed_tokens + num_restored
+            self.kv.cache_full_blocks(request.id, request.all_token_ids, num_tokens, request.cache_salt)
             self.kv.free(request.id)
             return
-        num_restored = num_loaded * self.kv.block_size
         if load.first:  # usage promised every block; take back what could not be restored
             missing = (len(load.digests) - num_loaded) * self.kv.block_size
             request.num_cached_tokens -= missing
@@ -262,11 +268,11 @@ class Scheduler:
             prefix = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
             on_disk = self._on_disk(request, prefix.num_tokens)
             if on_disk is None:
-                continue  # another request is restoring its blocks: they will be in RAM soon
+                continue  # another request is restoring its blocks: it waits for that load to end
             num_new = 0 if on_disk else min(request.num_tokens - prefix.num_tokens, budget)
-            # admit only if every running request can still take one more block: otherwise the next
-            # decode step would preempt the newcomer and throw its prefill away
-            keep_free = len(self.running)
+            # admit only if every running (or soon running) request can still take one more block:
+            # otherwise the next step would preempt the newcomer and throw its prefill away
+            keep_free = len(self.running) + len(self.loading)
             num_tokens = prefix.num_tokens + len(on_disk) * self.kv.block_size + num_new
             if not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
                 break  # wait for blocks to be freed; first come, first served
@@ -292,6 +298,7 @@ class Scheduler:
         if self.disk is None:
             return ()
         digests = self.kv.full_block_digests(request.id, request.all_token_ids, request.cache_salt)
+        self.disk.touch(digests[: num_cached // self.kv.block_size])
         wanted = digests[num_cached // self.kv.block_size : (request.num_tokens - 1) // self.kv.block_size]
         if any(d in self._restoring for d in wanted):
             return None

@@ -25,7 +25,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class DiskTierStats:
-    enabled: bool = False  # False once the disk refused a write
+    enabled: bool = False  # the tier writes; False once the disk refused a write (restores go on)
     num_blocks: int = 0
     num_bytes: int = 0
     num_written: int = 0

@@ -206,7 +206,7 @@ class EngineCore:
             return True
         if isinstance(command, LoadResult):
             self.scheduler.loaded(command.request_id, command.num_loaded)
-            return True
+            return False
         if isinstance(command, Abort):
             request = self.scheduler.requests.get(command.request_id)
             if request is not None:
@@ -360,7 +360,7 @@ class EngineCore:
             return None
         store, t = tier.store.counters, tier.counters
         return DiskTierStats(
-            enabled=tier.enabled,
+            enabled=tier.enabled and tier.writable,
             num_blocks=tier.store.num_blocks,
             num_bytes=tier.store.num_bytes,
             num_written=store.num_written,

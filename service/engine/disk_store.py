@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import struct
+import tempfile
 import threading
 import time
 import zlib
@@ -36,6 +38,7 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sI32s32sQI")
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
 
 
 @dataclass
@@ -72,10 +75,10 @@ class DiskStore:
         """Create the folder, prove it writable, and index what an earlier run left. Raises OSError when
         the folder cannot be used."""
         start = time.perf_counter()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        probe = self.folder / f"probe{TEMP_SUFFIX}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # users' text: the server's eyes only
+        handle, probe = tempfile.mkstemp(suffix=TEMP_SUFFIX, dir=self.folder)
+        os.close(handle)
+        os.unlink(probe)
         found: list[tuple[float, bytes, int]] = []
         with os.scandir(self.folder) as listing:
             for item in listing:
@@ -112,6 +115,16 @@ class DiskStore:
                     return i
             return len(digests)
 
+    def touch(self, digests: Sequence[bytes]) -> None:
+        """Mark a chain's blocks used now, the last first, so that the chain's head goes last."""
+        now = time.time()
+        with self._lock:
+            for digest in reversed(digests):
+                entry = self._index.get(digest)
+                if entry is not None:
+                    entry.last_used = now
+                    self._index.move_to_end(digest)
+
     @property
     def num_blocks(self) -> int:
         return len(self._index)
@@ -129,22 +142,23 @@ class DiskStore:
     # -- files -------------------------------------------------------------------------------------------
     def write(self, digest: bytes, payload: bytes | memoryview) -> None:
         """Store one block, making room first. Raises OSError when the disk refuses (full, read-only)."""
-        if digest in self:
-            return
         size = HEADER.size + len(payload)
+        if digest in self or size > self.capacity_bytes:
+            return
         self.evict(size)
         path = self._path(digest)
-        temp = path.with_name(path.name + TEMP_SUFFIX)
         header = HEADER.pack(MAGIC, FORMAT_VERSION, self.identity, digest, len(payload), zlib.crc32(payload))
+        handle, temp = tempfile.mkstemp(suffix=TEMP_SUFFIX, dir=self.folder)
         try:
-            with open(temp, "wb") as f:
+            with os.fdopen(handle, "wb") as f:
                 f.write(header)
                 f.write(payload)
             os.replace(temp, path)
         except OSError:
-            _remove(temp)
+            _remove(Path(temp))
             raise
         with self._lock:
+            self._forget_locked(digest)  # an expired entry not yet swept
             self._index[digest] = Entry(size, time.time())
             self._bytes += size
             self.counters.num_written += 1
@@ -207,21 +221,20 @@ class DiskStore:
 
     def _forget(self, digest: bytes) -> None:
         with self._lock:
-            entry = self._index.pop(digest, None)
-            if entry is not None:
-                self._bytes -= entry.size
+            self._forget_locked(digest)
+
+    def _forget_locked(self, digest: bytes) -> None:
+        entry = self._index.pop(digest, None)
+        if entry is not None:
+            self._bytes -= entry.size
 
     def _path(self, digest: bytes) -> Path:
         return self.folder / (digest.hex() + SUFFIX)
 
 
 def _digest_of(name: str) -> bytes | None:
-    if not name.endswith(SUFFIX) or len(name) != 64 + len(SUFFIX):
-        return None
-    try:
-        return bytes.fromhex(name[:64])
-    except ValueError:
-        return None
+    """The digest a block file's name spells, exactly as _path writes it; None for any other name."""
+    return bytes.fromhex(name[:64]) if BLOCK_NAME.fullmatch(name) else None
 
 
 def _remove(path: Path) -> None:

@@ -3,17 +3,23 @@
 Which blocks and when: every block that fills and enters the RAM prefix cache is written once, as soon
 as it fills (write-through). The engine thread only copies the block's bytes out of the KV cache (a
 memcpy between steps) and queues them; the I/O thread writes. So a crash loses only the blocks still
-queued (a second or so of work), and a graceful stop, which flushes the queue, loses nothing. Writing
+queued (a second or so of work; a power loss may also damage files the OS had not flushed, which their
+checksums catch), and a graceful stop, which flushes the queue, loses nothing. Writing
 at eviction from RAM instead would lose everything on a crash and put the copy on the critical path of
-the allocation that evicts. When writes fall behind (more than max_pending_bytes queued), new blocks
-are skipped and counted rather than stalling a step.
+the allocation that evicts. When writes fall behind (more than max_pending_bytes queued), the blocks
+that do not fit are skipped and counted rather than stalling a step.
 
 Restores run on the same I/O thread, ahead of any write: the thread reads and checks each file and
 copies it straight into the pool blocks the scheduler set aside for it. Those blocks belong to a
 request in the loading state, which no step touches until the load is reported done, so the engine
 keeps stepping other requests meanwhile.
 
-A disk that refuses a write (full, read-only, gone) turns the tier off with one warning; serving goes on.
+A disk that refuses a write (full, read-only, gone) stops the writing with one warning; blocks already
+stored are still restored, and serving goes on.
+
+Recency: a chain is only useful from its first block on, so whenever a chain is used (written, restored,
+or hit in RAM) its blocks are marked used from the last to the first, and the least recently used end of
+the store always holds chain tails, never the heads that make them reachable.
 """
 
 from __future__ import annotations
@@ -83,7 +89,8 @@ class KVDiskTier:
         self.on_loaded = on_loaded
         self.max_pending_bytes = max_pending_bytes
         self.counters = TierCounters()
-        self.enabled = False
+        self.enabled = False  # the store opened: restores work
+        self.writable = False  # no write has failed yet
         self._loads: deque[_Load] = deque()
         self._writes: deque[_Write] = deque()
         self._pending_bytes = 0
@@ -97,7 +104,7 @@ class KVDiskTier:
         except OSError as exc:
             log.warning("kv disk tier off: cannot use %s: %s", self.store.folder, exc)
             return
-        self.enabled = True
+        self.enabled = self.writable = True
         self._thread.start()
 
     def close(self, timeout: float) -> None:
@@ -120,15 +127,22 @@ class KVDiskTier:
     def count_chain(self, digests: Sequence[bytes]) -> int:
         return self.store.count_chain(digests) if self.enabled else 0
 
+    def touch(self, digests: Sequence[bytes]) -> None:
+        """A chain's blocks were used (found in RAM): keep their disk copies from going first."""
+        if self.enabled:
+            self.store.touch(digests)
+
     def save(self, blocks: Sequence[tuple[bytes, int]]) -> None:
-        """Queue newly filled blocks (digest, block id) for writing; their content is copied now."""
-        if not self.enabled:
+        """Queue newly filled blocks (digest, block id), in chain order, for writing; their content is copied
+        now. What does not fit under max_pending_bytes is skipped, from the end: a chain's head is what
+        makes the rest of it reachable."""
+        if not self.writable:
             return
         new = [(d, b) for d, b in blocks if d not in self.store]
+        room = max(0, (self.max_pending_bytes - self._pending_bytes) // self.block_bytes)
+        self.counters.num_skipped += max(0, len(new) - room)
+        new = new[:room]
         if not new:
-            return
-        if self._pending_bytes + len(new) * self.block_bytes > self.max_pending_bytes:
-            self.counters.num_skipped += len(new)
             return
         ids = np.array([b for _, b in new], dtype=np.int64)
         write = _Write(tuple(d for d, _ in new), tuple(a[ids] for a in self.cache))
@@ -146,10 +160,14 @@ class KVDiskTier:
 
     # -- I/O thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        # with a TTL, expired blocks go even when nothing is written (an idle server, a tier that stopped
+        # writing): their files hold users' text
+        sweep_every = self.store.ttl_seconds / 10 if self.store.ttl_seconds else None
         while True:
             with self._wake:
                 while not (self._loads or self._writes or self._closing):
-                    self._wake.wait()
+                    if not self._wake.wait(sweep_every):
+                        self.store.evict(0)
                 if self._loads:
                     job: _Load | _Write = self._loads.popleft()
                 elif self._writes:
@@ -167,8 +185,8 @@ class KVDiskTier:
                 try:
                     self._write(job)
                 except Exception:
-                    log.exception("kv disk tier off: writing a block failed")
-                    self.enabled = False
+                    log.exception("kv disk tier: writing a block failed; no more writes")
+                    self.writable = False
                 with self._wake:
                     self._pending_bytes -= job.num_bytes
 
@@ -189,6 +207,7 @@ class KVDiskTier:
                 block[...] = np.frombuffer(payload, array.dtype, block.size, offset).reshape(block.shape)
                 offset += block.nbytes
             num_loaded += 1
+        self.store.touch(load.digests[:num_loaded])
         seconds = time.perf_counter() - start
         self.counters.num_restores += 1
         self.counters.num_restored_blocks += num_loaded
@@ -196,13 +215,18 @@ class KVDiskTier:
         return LoadResult(load.request_id, num_loaded, seconds)
 
     def _write(self, write: _Write) -> None:
-        if not self.enabled:
+        if not self.writable:
             return
         for i, digest in enumerate(write.digests):
             payload = b"".join(copy[i].tobytes() for copy in write.copies)
             try:
                 self.store.write(digest, payload)
             except OSError as exc:
-                log.warning("kv disk tier off: writing to %s failed: %s; serving goes on", self.store.folder, exc)
-                self.enabled = False
+                log.warning(
+                    "kv disk tier: writing to %s failed: %s; no more writes (stored blocks are still restored)",
+                    self.store.folder,
+                    exc,
+                )
+                self.writable = False
                 return
+        self.store.touch(write.digests)
