@@ -315,13 +315,8 @@ class Scheduler:
         )
 
     def _drafts(self, request: Request, room: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request, when it can take them: greedy without penalties, logprobs or
-        a pending min_new_tokens (its verification is an argmax per position), within its token limits."""
+        """Draft tokens for a decoding request, within its token limits and the step's room."""
         p = request.params
-        if not p.greedy or p.logprobs or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            return ()
-        if request.num_output_tokens < p.min_new_tokens:
-            return ()
         k = min(
             self.speculative_tokens if request.max_drafts is None else request.max_drafts,
             room,

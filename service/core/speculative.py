@@ -3,6 +3,8 @@
 A decoding request feeds its last token plus k drafts in one step; the model's logits at those k+1
 positions say which drafts it would have produced itself. The longest agreeing run of drafts is kept,
 and the first position that disagrees gives the model's own token, so a step always yields at least one.
+accept_greedy is that rule for plain greedy requests; sampler.verify applies it to any request by
+sampling each position as a normal step would.
 
 Proposers implement `Proposer`. Prompt lookup is the first: writing-assistant work (rewrite, fix, translate
 or continue a given text) copies long spans of its input, and the request's own tokens propose them for free.

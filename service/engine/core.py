@@ -25,9 +25,8 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
-from service.core.sampler import sample
+from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler, StepPlan
-from service.core.speculative import accept_greedy
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
@@ -260,21 +259,22 @@ class EngineCore:
         plain = [i for i, c in enumerate(sampled) if not c.drafts]
         result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain])
         runs: list[list[int]] = [[] for _ in sampled]
-        logprobs: list[TokenLogprob | None] = [None] * len(sampled)
+        logprobs: list[list[TokenLogprob | None]] = [[] for _ in sampled]
         for i, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
-            runs[i], logprobs[i] = [token_id], logprob
+            runs[i], logprobs[i] = [token_id], [logprob]
         for i, chunk in enumerate(sampled):
-            if chunk.drafts:  # greedy verification: the model's own token at each of its k+1 positions
-                rows = logits[ends[i] - chunk.num_logits : ends[i]]
-                runs[i] = accept_greedy(chunk.drafts, [int(t) for t in np.argmax(rows, axis=-1)])
+            if chunk.drafts:  # the k+1 rows of a verify chunk
+                run = verify(logits[ends[i] - chunk.num_logits : ends[i]], chunk.request, chunk.drafts)
+                runs[i], logprobs[i] = run.token_ids, run.logprobs
         clock.lap("sample")
         num_before = [c.request.num_output_tokens for c in sampled]
         self.scheduler.update(plan, runs)
         clock.lap("update")
         outputs = []
-        for chunk, n, logprob in zip(sampled, num_before, logprobs, strict=True):
-            new = chunk.request.output_token_ids[n:]
-            outputs.append(self._output(chunk.request, new, [logprob] if logprob is not None and new else []))
+        for chunk, n, run_logprobs in zip(sampled, num_before, logprobs, strict=True):
+            new = chunk.request.output_token_ids[n:]  # a stop inside a run drops the tokens after it
+            kept = [lp for lp in run_logprobs[: len(new)] if lp is not None]
+            outputs.append(self._output(chunk.request, new, kept))
         return outputs
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> None:
