@@ -73,7 +73,7 @@ def test_update_keeps_accepted_drafts_and_rolls_back_the_rest():
     assert r.output_token_ids == [7, 8, 9, 42]
     assert r.num_tokens == 16 and r.num_computed_tokens == 15  # 7, 8, 9 computed; 42 is fed next
     assert len(s.kv.block_ids(r.id)) == 4  # blocks past the new length were given back
-    assert (s.num_draft_tokens, s.num_accepted_tokens) == (5, 2)
+    assert (s.num_draft_tokens, s.num_accepted_tokens, s.num_verify_steps, r.num_accepted_drafts) == (5, 2, 1, 2)
     assert s.schedule().chunks[0].start == 15
 
 
@@ -83,6 +83,7 @@ def test_a_stop_inside_the_accepted_run_ends_the_request_there():
     plan = s.schedule()
     assert s.update(plan, [[6, 7, 8, 9]]) == [r]
     assert r.output_token_ids == [5, 6, 7] and r.finish_reason is FinishReason.STOP
+    assert r.num_accepted_drafts == 2  # the model kept 6, 7 and 8, but 8 came after the stop
     assert s.kv.pool.num_free == 32
 
 
@@ -220,10 +221,13 @@ def outputs(model, prompts, max_new, params=None, **config) -> tuple[list[list[i
     )
     engine.start()
     greedy = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    accepted = []
 
     async def one(prompt, p):
         tokens = []
         async for out in engine.generate(prompt, p):
+            if out.usage is not None:
+                accepted.append(out.usage.accepted_draft_tokens)
             if p.logprobs:
                 assert len(out.logprobs) == len(out.token_ids)
                 tokens += [(t, lp.token_id, lp.logprob) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
@@ -239,6 +243,7 @@ def outputs(model, prompts, max_new, params=None, **config) -> tuple[list[list[i
         result = asyncio.run(main())
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
+        assert sum(accepted) <= stats.num_accepted_tokens  # less when a stop dropped kept drafts
         return result, stats
     finally:
         engine.shutdown()
@@ -254,6 +259,8 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir):
     fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 40, speculative_tokens=4)
     assert fast == plain
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    # each verify step yields its kept drafts and one token; every other step one token per request
+    assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
 
 
 def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwen3_fp16_ir):
@@ -286,7 +293,9 @@ def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir)
     crowded, _ = outputs(tiny_qwen3_fp16_ir, [*others, TEXT], 0, [*crowd, seeded], speculative_tokens=4)
     (plain,), _ = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded])
     assert stats.num_accepted_tokens > 0, stats  # some drafts were kept: the sampled path ran
-    assert crowded[-1] == alone == plain
+    for reply in (crowded[-1], plain):  # logprobs agree to rounding: the step shapes differ
+        assert [t[:2] for t in reply] == [t[:2] for t in alone]
+        assert [t[2] for t in reply] == pytest.approx([t[2] for t in alone], abs=1e-3)
 
 
 def test_drafts_adapt_to_what_the_request_accepts():

@@ -62,6 +62,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens not computed at first admission: found in RAM or restored
     num_restored_tokens: int = 0  # of those, the ones restored from the disk tier
     max_drafts: int | None = None  # speculative decoding: drafts to offer next, adapted to its acceptance
+    num_accepted_drafts: int = 0  # output tokens that were drafts the model kept
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)

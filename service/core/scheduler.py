@@ -121,6 +121,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_verify_steps = 0  # chunks with drafts verified: tokens per verify step follows
 
     def add(self, request: Request) -> None:
         if request.id in self.requests:
@@ -178,6 +179,7 @@ class Scheduler:
         now = time.monotonic()
         for chunk in plan.chunks:
             request = chunk.request
+            num_before = request.num_output_tokens
             reason = self._append(request, runs.get(request, ()), now)
             if chunk.drafts:
                 # computed: the fed token and the accepted drafts; the positions of rejected ones are
@@ -185,6 +187,9 @@ class Scheduler:
                 accepted = len(runs[request]) - 1
                 self.num_draft_tokens += len(chunk.drafts)
                 self.num_accepted_tokens += accepted
+                self.num_verify_steps += 1
+                # a stop inside the run drops what follows it: only kept drafts that reached the output count
+                request.num_accepted_drafts += min(accepted, request.num_output_tokens - num_before)
                 # offer more after a full acceptance, and after a miss only what was accepted plus one:
                 # a request whose text does not follow its input soon costs one draft per step
                 full = accepted == len(chunk.drafts)

@@ -49,6 +49,7 @@ class EngineOutput:
     error: ServiceError | None = None
     num_cached_tokens: int = 0
     num_restored_tokens: int = 0
+    num_accepted_drafts: int = 0
     queue_seconds: float = 0.0
 
     @property
@@ -305,6 +306,7 @@ class EngineCore:
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             num_restored_tokens=request.num_restored_tokens,
+            num_accepted_drafts=request.num_accepted_drafts,
             queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
         )
 
@@ -333,6 +335,7 @@ class EngineCore:
             num_generated_tokens=s.num_generated_tokens + num_generated,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens,
+            num_verify_steps=self.scheduler.num_verify_steps,
             num_steps=s.num_steps + (plan is not None),
             num_failed_steps=self.num_failed_steps,
             last_step_seconds=clock.total if clock else s.last_step_seconds,

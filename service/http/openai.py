@@ -336,6 +336,9 @@ def usage(u: Usage) -> dict[str, Any]:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        # OpenAI's name for tokens of a predicted output that appeared in the completion; our predictions are
+        # the speculative drafts
+        "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_draft_tokens},
     }
 
 
