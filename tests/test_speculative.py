@@ -14,7 +14,7 @@ from service.core.params import SamplingParams
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler
-from service.core.speculative import PromptLookup, accept_greedy
+from service.core.speculative import RETRY_FIRST, DraftStats, PromptLookup, StepCost, accept_greedy
 from service.engine import Engine
 
 IDS = itertools.count()
@@ -38,11 +38,14 @@ def test_accept_greedy_keeps_the_agreeing_run_and_the_models_token():
     assert accept_greedy([], [3]) == [3]
 
 
-def scheduler(k=3, max_seqs=4, num_blocks=32, max_model_len=64) -> Scheduler:
+def scheduler(k=3, max_seqs=4, num_blocks=32, max_model_len=64, overhead=1000.0) -> Scheduler:
+    """overhead: a step's fixed cost in tokens; large, drafts always pay (tests of the mechanics)."""
     config = EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=64, speculative_tokens=k, speculative_max_seqs=max_seqs
     )
-    return Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len)
+    s = Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len)
+    s.step_overhead_tokens = overhead
+    return s
 
 
 def decoding(s: Scheduler, prompt, **params) -> Request:
@@ -298,17 +301,54 @@ def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir)
         assert [t[2] for t in reply] == pytest.approx([t[2] for t in alone], abs=1e-3)
 
 
-def test_drafts_adapt_to_what_the_request_accepts():
-    s = scheduler(k=4)
-    r = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # first token 9: lookup offers 1, 2, 3, 4
-    plan = s.schedule()
-    assert len(plan.chunks[0].drafts) == 4
-    s.update(plan, [[5]])  # the model rejects the first draft
-    assert r.max_drafts == 1
+def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
+    """A draft kept with probability q is worth its token when q * (F + T) > produced."""
+    alone = StepCost(overhead=8, tokens=1, produced=1)
+    assert alone.affordable(0.9, 5) == 5  # one stream: reading the weights dominates, drafts are nearly free
+    assert alone.affordable(0.5, 5) == 2  # 0.5 * 9 > 1, 0.25 * 10 > 1.5, 0.125 * 11 < 1.75
+    assert alone.affordable(0.1, 5) == 0  # 0.1 * 9 < 1
+    crowd = StepCost(overhead=8, tokens=32, produced=32)  # 32 decoding requests: compute-bound
+    assert crowd.affordable(0.5, 5) == 0
+    assert crowd.affordable(0.85, 5) == 1  # 0.85 * 40 > 32, 0.7225 * 41 < 32.85
+    assert crowd.affordable(0.95, 5) == 4  # a request that copies its input still gains
+    beside_a_prompt = StepCost(overhead=8, tokens=200, produced=1)  # one decoding request beside a prompt chunk
+    assert beside_a_prompt.affordable(0.3, 5) == 4  # the step is slow anyway: its few outputs are worth a lot
+    crowd.add(1, 0.85)
+    assert (crowd.tokens, crowd.produced) == (33, 32.85)
+
+
+def test_a_request_whose_drafts_miss_backs_off_and_probes_later():
+    s = scheduler(k=4, overhead=8.0)
+    r = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # first token 1: lookup offers 2, 3, ...
+    offered = []
+    for token in (5, 3, 7, 2):  # each rejects the first draft and has a continuation for lookup to offer
+        plan = s.schedule()
+        offered.append(len(plan.chunks[0].drafts))
+        s.update(plan, [[token]])
+    assert offered == [2, 1, 1, 0]  # acceptance 0.5, then 1/3: one draft; three misses in a row: none
+    without, plan = 1, s.schedule()  # steps without drafts since backing off: the fourth was one
+    while not plan.chunks[0].drafts:
+        without += 1
+        s.update(plan, [[9]])
+        plan = s.schedule()
+    assert without == RETRY_FIRST - 1 and len(plan.chunks[0].drafts) == 1  # then a probe of one draft
+    s.update(plan, [[5]])  # the probe misses: twice as long to the next one
+    assert r.drafts.retry_after == 2 * RETRY_FIRST and r.drafts.idle_steps == 0
+    r.drafts.idle_steps = r.drafts.retry_after - 1
     plan = s.schedule()
     assert len(plan.chunks[0].drafts) == 1
-    s.update(plan, [[*plan.chunks[0].drafts, 5]])  # accepted in full: offer more again
-    assert r.max_drafts == 2
+    s.update(plan, [[*plan.chunks[0].drafts, 7]])  # the probe is kept: drafts are back, a next back-off probes soon
+    assert not r.drafts.backed_off and r.drafts.retry_after == RETRY_FIRST and r.drafts.acceptance > 0.3
+    assert s.schedule().chunks[0].drafts  # offered by the cost rule again
+
+
+def test_accepted_drafts_raise_the_estimate():
+    stats = DraftStats()
+    assert stats.acceptance == 0.5
+    stats.record(offered=4, accepted=4)
+    assert stats.acceptance == pytest.approx(5 / 6)
+    stats.record(offered=4, accepted=1)  # one kept, one rejected; the two after it say nothing
+    assert stats.acceptance == pytest.approx((0.7 * 4 + 1 + 1) / (0.7 * 4 + 1 + 1 + 2))
 
 
 def test_drafts_never_preempt_and_leave_others_their_block():

@@ -30,7 +30,7 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-from service.core.speculative import PromptLookup, Proposer
+from service.core.speculative import PromptLookup, Proposer, StepCost
 from service.core.stop import stop_reason
 
 
@@ -108,6 +108,8 @@ class Scheduler:
         self.speculative_tokens = config.speculative_tokens
         self.speculative_max_seqs = config.speculative_max_seqs
         self.proposer = proposer or PromptLookup(config.speculative_ngram)
+        # a step's fixed cost in units of one token's work: the engine measures it at warm-up
+        self.step_overhead_tokens = 8.0
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv
@@ -190,10 +192,7 @@ class Scheduler:
                 self.num_verify_steps += 1
                 # a stop inside the run drops what follows it: only kept drafts that reached the output count
                 request.num_accepted_drafts += min(accepted, request.num_output_tokens - num_before)
-                # offer more after a full acceptance, and after a miss only what was accepted plus one:
-                # a request whose text does not follow its input soon costs one draft per step
-                full = accepted == len(chunk.drafts)
-                request.max_drafts = min(self.speculative_tokens, 2 * accepted) if full else accepted + 1
+                request.drafts.record(len(chunk.drafts), accepted)
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request.id, request.num_tokens)
             else:
@@ -221,6 +220,7 @@ class Scheduler:
         self._drop_expired(plan)
         budget = self.max_num_batched_tokens
         speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
+        cost = self._step_cost(budget) if speculate else None
         for request in list(self.running):
             if budget == 0:
                 break
@@ -229,7 +229,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, plan):
                 continue
-            drafts = self._drafts(request, budget - num_new) if speculate and num_new == 1 else ()
+            drafts = self._drafts(request, budget - num_new, cost) if cost and num_new == 1 else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running
             # request its block to grow into
             target = request.num_computed_tokens + num_new + len(drafts)
@@ -319,16 +319,40 @@ class Scheduler:
             drafts=drafts,
         )
 
-    def _drafts(self, request: Request, room: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request, within its token limits and the step's room."""
+    def _step_cost(self, budget: int) -> StepCost:
+        """The step's tokens and sampled requests before any drafts: what the running requests will compute
+        (waiting ones admitted after them are not known yet)."""
+        tokens = sampled = 0
+        for request in self.running:
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget - tokens)
+            if num_new <= 0:
+                break
+            tokens += num_new
+            sampled += request.num_computed_tokens + num_new == request.num_tokens
+        return StepCost(self.step_overhead_tokens, tokens, max(1, sampled))
+
+    def _drafts(self, request: Request, room: int, cost: StepCost) -> tuple[int, ...]:
+        """Draft tokens for a decoding request: as many as raise the step's tokens per second given its
+        recent acceptance (a probe of one now and then when none do), within its token limits and the
+        step's room."""
         p = request.params
-        k = min(
-            self.speculative_tokens if request.max_drafts is None else request.max_drafts,
+        limit = min(
+            self.speculative_tokens,
             room,
             p.max_new_tokens - request.num_output_tokens - 1,
             self.max_model_len - request.num_tokens - 1,
         )
-        return tuple(self.proposer.propose(request.all_token_ids, k)[:k]) if k > 0 else ()
+        if limit <= 0:
+            return ()
+        acceptance = request.drafts.acceptance
+        k = 0 if request.drafts.backed_off else cost.affordable(acceptance, limit)
+        if k == 0:
+            if not request.drafts.probe():
+                return ()
+            k = 1
+        drafts = tuple(self.proposer.propose(request.all_token_ids, k)[:k])
+        cost.add(len(drafts), acceptance)
+        return drafts
 
     def _drop_expired(self, plan: StepPlan) -> None:
         now = time.monotonic()

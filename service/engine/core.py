@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -127,11 +128,34 @@ class EngineCore:
         # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
         # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
         self.runner.execute([StepInput([0], 8, [0], 1)])
+        if self.config.speculative_tokens > 0:
+            self.scheduler.step_overhead_tokens = self._measure_step_overhead()
+            log.info(
+                "speculative decoding: a step's fixed cost is %.1f tokens' work", self.scheduler.step_overhead_tokens
+            )
         if self.disk_tier is not None:
             self.disk_tier.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
+
+    def _measure_step_overhead(self, num_tokens: int = 32, repeats: int = 3) -> float:
+        """The fixed part of a step's time in units of one verified token's work (all its logits rows
+        wanted, as for drafts), from the median times of one-token and num_tokens-token steps; kept within
+        [1, 64] so that a noisy measurement cannot turn speculation off or on for every step."""
+        blocks = list(range(-(-(8 + num_tokens) // self.runner.block_size)))
+
+        def seconds(n: int) -> float:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.runner.execute([StepInput([0] * n, 8, blocks, n)])
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        one, many = seconds(1), seconds(num_tokens)
+        per_token = max((many - one) / (num_tokens - 1), 1e-9)
+        return min(max((one - per_token) / per_token, 1.0), 64.0)
 
     def stop(self) -> None:
         """Fail what is left with UNAVAILABLE and end the thread."""
