@@ -71,7 +71,7 @@ bench-memory: $(STAMP) $(MODEL)/manifest.json
 
 # Speculative decoding (prompt lookup) at one stream: ovserve and genai, each with and without, interleaved.
 bench-speculative: $(STAMP) $(MODEL)/manifest.json
-	$(PY) -m bench.speculative $(MODEL) --out bench/results-speculative/results.json
+	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8 --out bench/results-speculative/results.json
 
 # llama.cpp (llama-cpp-python, built from source the first time) against ovserve at one stream, interleaved.
 bench-llamacpp: $(STAMP) $(MODEL)/manifest.json
