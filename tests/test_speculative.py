@@ -333,12 +333,12 @@ def test_a_request_whose_drafts_miss_backs_off_and_probes_later():
         plan = s.schedule()
     assert without == RETRY_FIRST - 1 and len(plan.chunks[0].drafts) == 1  # then a probe of one draft
     s.update(plan, [[5]])  # the probe misses: twice as long to the next one
-    assert r.drafts.retry_after == 2 * RETRY_FIRST and r.drafts.idle_steps == 0
-    r.drafts.idle_steps = r.drafts.retry_after - 1
+    assert r.draft_stats.retry_after == 2 * RETRY_FIRST and r.draft_stats.idle_steps == 0
+    r.draft_stats.idle_steps = r.draft_stats.retry_after - 1
     plan = s.schedule()
     assert len(plan.chunks[0].drafts) == 1
     s.update(plan, [[*plan.chunks[0].drafts, 7]])  # the probe is kept: drafts are back, a next back-off probes soon
-    assert not r.drafts.backed_off and r.drafts.retry_after == RETRY_FIRST and r.drafts.acceptance > 0.3
+    assert not r.draft_stats.backed_off and r.draft_stats.retry_after == RETRY_FIRST and r.draft_stats.acceptance > 0.3
     assert s.schedule().chunks[0].drafts  # offered by the cost rule again
 
 

@@ -62,7 +62,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens not computed at first admission: found in RAM or restored
     num_restored_tokens: int = 0  # of those, the ones restored from the disk tier
-    drafts: DraftStats = field(default_factory=DraftStats)  # speculative decoding: what its drafts earned
+    draft_stats: DraftStats = field(default_factory=DraftStats)  # speculative decoding: what its drafts earned
     num_accepted_drafts: int = 0  # output tokens that were drafts the model kept
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

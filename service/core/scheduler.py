@@ -192,7 +192,7 @@ class Scheduler:
                 self.num_verify_steps += 1
                 # a stop inside the run drops what follows it: only kept drafts that reached the output count
                 request.num_accepted_drafts += min(accepted, request.num_output_tokens - num_before)
-                request.drafts.record(len(chunk.drafts), accepted)
+                request.draft_stats.record(len(chunk.drafts), accepted)
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request.id, request.num_tokens)
             else:
@@ -344,10 +344,10 @@ class Scheduler:
         )
         if limit <= 0:
             return ()
-        acceptance = request.drafts.acceptance
-        k = 0 if request.drafts.backed_off else cost.affordable(acceptance, limit)
+        acceptance = request.draft_stats.acceptance
+        k = 0 if request.draft_stats.backed_off else cost.affordable(acceptance, limit)
         if k == 0:
-            if not request.drafts.probe():
+            if not request.draft_stats.probe():
                 return ()
             k = 1
         drafts = tuple(self.proposer.propose(request.all_token_ids, k)[:k])
