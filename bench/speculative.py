@@ -171,30 +171,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=5, help="draft tokens per step (genai: num_assistant_tokens)")
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram matched (genai: max_ngram_size)")
     p.add_argument("--no-llm-pipeline", action="store_true", help="leave genai's LLMPipeline out")
+    p.add_argument("--ours-only", action="store_true", help="ovserve without and with speculation only")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
     streams = [int(s) for s in a.streams.split(",")]
     ours_plain, ours_lookup = ours(a.model, 0, a.ngram), ours(a.model, a.k, a.ngram)
-    engines: dict[str, Generate] = {
-        "ovserve": ours_generate(ours_plain),
-        "ovserve+lookup": ours_generate(ours_lookup),
-        "genai-cb": cb_pipeline(a.model, False, a.k, a.ngram),
-        "genai-cb+lookup": cb_pipeline(a.model, True, a.k, a.ngram),
-    }
-    single = (
-        {}
-        if a.no_llm_pipeline
-        else {
-            "genai": llm_pipeline(a.model, False, a.k, a.ngram),
-            "genai+lookup": llm_pipeline(a.model, True, a.k, a.ngram),
-        }
-    )
+    engines: dict[str, Generate] = {"ovserve": ours_generate(ours_plain), "ovserve+lookup": ours_generate(ours_lookup)}
+    single: dict[str, Generate] = {}
+    if not a.ours_only:
+        engines["genai-cb"] = cb_pipeline(a.model, False, a.k, a.ngram)
+        engines["genai-cb+lookup"] = cb_pipeline(a.model, True, a.k, a.ngram)
+        if not a.no_llm_pipeline:
+            single["genai"] = llm_pipeline(a.model, False, a.k, a.ngram)
+            single["genai+lookup"] = llm_pipeline(a.model, True, a.k, a.ngram)
     result: dict[str, Any] = {
         "model": a.model,
         "k": a.k,
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,
         "load_before": os.getloadavg(),
+        "ovserve_step_overhead_tokens": round(ours_lookup.core.scheduler.step_overhead_tokens, 2),
         "workloads": {},
     }
     try:

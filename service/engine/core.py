@@ -129,7 +129,9 @@ class EngineCore:
         # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
         self.runner.execute([StepInput([0], 8, [0], 1)])
         if self.config.speculative_tokens > 0:
-            self.scheduler.step_overhead_tokens = self._measure_step_overhead()
+            # measured over the sizes drafts are added in at low load, where F matters most: with many
+            # tokens in a step, F + T is dominated by T
+            self.scheduler.step_overhead_tokens = self._measure_step_overhead(1 + self.config.speculative_tokens)
             log.info(
                 "speculative decoding: a step's fixed cost is %.1f tokens' work", self.scheduler.step_overhead_tokens
             )
@@ -139,7 +141,7 @@ class EngineCore:
         self.alive = True
         self._thread.start()
 
-    def _measure_step_overhead(self, num_tokens: int = 32, repeats: int = 3) -> float:
+    def _measure_step_overhead(self, num_tokens: int, repeats: int = 5) -> float:
         """The fixed part of a step's time in units of one verified token's work (all its logits rows
         wanted, as for drafts), from the median times of one-token and num_tokens-token steps; kept within
         [1, 64] so that a noisy measurement cannot turn speculation off or on for every step."""
@@ -154,7 +156,7 @@ class EngineCore:
             return statistics.median(times)
 
         one, many = seconds(1), seconds(num_tokens)
-        per_token = max((many - one) / (num_tokens - 1), 1e-9)
+        per_token = max((many - one) / max(1, num_tokens - 1), 1e-9)
         return min(max((one - per_token) / per_token, 1.0), 64.0)
 
     def stop(self) -> None:
