@@ -129,9 +129,7 @@ class EngineCore:
         # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
         self.runner.execute([StepInput([0], 8, [0], 1)])
         if self.config.speculative_tokens > 0:
-            # measured over the sizes drafts are added in at low load, where F matters most: with many
-            # tokens in a step, F + T is dominated by T
-            self.scheduler.step_overhead_tokens = self._measure_step_overhead(1 + self.config.speculative_tokens)
+            self.scheduler.step_overhead_tokens = self._measure_step_overhead()
             log.info(
                 "speculative decoding: a step's fixed cost is %.1f tokens' work", self.scheduler.step_overhead_tokens
             )
@@ -141,7 +139,7 @@ class EngineCore:
         self.alive = True
         self._thread.start()
 
-    def _measure_step_overhead(self, num_tokens: int, repeats: int = 5) -> float:
+    def _measure_step_overhead(self, num_tokens: int = 32, repeats: int = 3) -> float:
         """The fixed part of a step's time in units of one verified token's work (all its logits rows
         wanted, as for drafts), from the median times of one-token and num_tokens-token steps; kept within
         [1, 64] so that a noisy measurement cannot turn speculation off or on for every step."""
