@@ -71,7 +71,7 @@ bench-memory: $(STAMP) $(MODEL)/manifest.json
 
 # Speculative decoding (prompt lookup) at one stream: ovserve and genai, each with and without, interleaved.
 bench-speculative: $(STAMP) $(MODEL)/manifest.json
-	$(PY) -m bench.speculative $(MODEL) --out bench/results-speculative/results.json
+	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8 --out bench/results-speculative/results.json
 
 # The prefix cache's disk tier: TTFT of a returning conversation (history in RAM, restored from disk,
 # recomputed) and a many-users run, against the engine without the tier and genai's prefix caching.

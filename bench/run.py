@@ -43,8 +43,8 @@ class Progress:
         print(f"    {msg}", file=sys.stderr, flush=True)
 
 
-def load_prompts() -> list[dict]:
-    return [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
+def load_prompts(path: Path = PROMPTS) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def tokenize(model_dir: Path, prompts: list[dict]) -> tuple[list[list[int]], Tokenizer]:

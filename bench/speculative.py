@@ -1,11 +1,20 @@
-"""python -m bench.speculative MODEL: speculative decoding (prompt lookup) at one stream, interleaved.
+"""python -m bench.speculative MODEL: speculative decoding (prompt lookup), interleaved, at 1 and more streams.
 
-Four engines load side by side in this process and take turns on the same writing-assistant prompts
-(bench/prompts.jsonl: rewrite, polish, translate, summarize), greedy, up to --max-new-tokens each, so that all
-see the same background load: ovserve without and with speculation, and openvino-genai's LLMPipeline without
-and with its prompt lookup (num_assistant_tokens and max_ngram_size set like ours). Each engine stops at eos as
-it would in use; tokens/s counts what each generated. Also reports how often ovserve's speculative reply equals
-its plain one token for token (int8 weights: a many-token verify step can round a near tie differently).
+Engines load side by side in this process and take turns on the same prompts, greedy, stopping at eos as
+they would in use, up to --max-new-tokens each, so that all see the same background load:
+
+- ovserve without and with speculation (`--speculative-tokens K`, its cost rule deciding per step);
+- openvino-genai's LLMPipeline without and with prompt_lookup (one stream only);
+- openvino-genai's ContinuousBatchingPipeline without and with prompt lookup (the `prompt_lookup` property).
+
+genai's lookup runs at its recommended settings (the prompt-lookup sample's num_assistant_tokens=5,
+max_ngram_size=3), ours with the same K and n-gram. Two workloads: `edit` (bench/prompts-edit.jsonl: English
+and Chinese texts of 150-400 tokens to rewrite, correct, translate keeping the quotations, or repeat and
+continue; the work prompt lookup is for) and `writing` (bench/prompts.jsonl: open-ended writing, emails,
+summaries; little is copied). At N streams each round submits N prompts at once (the set cycled, shifted each
+round). Rates are generated tokens over wall time; ratios are medians of per-round ratios. Also reported: how
+often a speculative greedy reply equals the same engine's plain reply (int8 weights: a many-token verify
+step can round a near tie differently), ours and genai's.
 """
 
 from __future__ import annotations
@@ -13,105 +22,205 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 from bench import run, workers
 
+HERE = Path(__file__).resolve().parent
+WORKLOADS = {"edit": HERE / "prompts-edit.jsonl", "writing": HERE / "prompts.jsonl"}
+Generate = Callable[[list[list[int]], int], list[list[int]]]  # prompts, max new tokens -> replies
 
-def ours(model: str, speculative_tokens: int, ngram: int):
+
+def ours(model: str, k: int, ngram: int) -> Any:
+    # speculative_max_seqs at its largest: the cost rule alone decides how many drafts pay at each load
+    settings = {"speculative_tokens": k, "speculative_ngram": ngram, "speculative_max_seqs": 32}
     return workers.our_engine(
-        {"model": model, "budget": workers.budget_dict(workers.BUDGET)},
-        prefix_caching=False,
-        settings={"speculative_tokens": speculative_tokens, "speculative_ngram": ngram},
+        {"model": model, "budget": workers.budget_dict(workers.BUDGET)}, prefix_caching=False, settings=settings
     )
 
 
-async def ours_one(engine, ids: list[int], max_new: int) -> list[int]:
+def ours_generate(engine: Any) -> Generate:
     from service.core.params import SamplingParams
 
-    tokens: list[int] = []
-    async for out in engine.generate(ids, SamplingParams(max_new_tokens=max_new)):
-        tokens += out.token_ids
-    return tokens
+    async def one(ids: list[int], max_new: int) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(ids, SamplingParams(max_new_tokens=max_new)):
+            tokens += out.token_ids
+        return tokens
+
+    async def batch(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        return list(await asyncio.gather(*(one(p, max_new) for p in prompts)))
+
+    return lambda prompts, max_new: asyncio.run(batch(prompts, max_new))
 
 
-def genai(model: str, threads: int, lookup: bool):
+def _config(model: str, max_new: int, k: int, ngram: int, lookup: bool) -> Any:
+    """genai's greedy config, stopping at the eos ids ovserve stops at (the model's generation config)."""
     import openvino_genai as og
 
-    config = {"INFERENCE_NUM_THREADS": threads}
-    if lookup:
-        return og.LLMPipeline(model, "CPU", prompt_lookup=True, **config)
-    return og.LLMPipeline(model, "CPU", **config)
+    from service.model_files import ModelFiles
 
-
-def genai_one(pipe, ids: list[int], max_new: int, k: int, ngram: int, lookup: bool) -> int:
-    import numpy as np
-    import openvino as ov
-    import openvino_genai as og
-
+    eos = ModelFiles.read(model).eos_token_ids
     config = og.GenerationConfig(max_new_tokens=max_new)
-    config.eos_token_id = pipe.get_generation_config().eos_token_id
+    config.eos_token_id = eos[0]
+    config.stop_token_ids = set(eos)
     if lookup:
         config.num_assistant_tokens = k
         config.max_ngram_size = ngram
-    result = pipe.generate(ov.Tensor(np.asarray([ids], dtype=np.int64)), config)
-    return int(np.asarray(result.tokens[0]).size) if hasattr(result, "tokens") else len(result.m_generation_ids[0])
+    return config
+
+
+def _tensor(ids: list[int]) -> Any:
+    import numpy as np
+    import openvino as ov
+
+    return ov.Tensor(np.asarray([ids], dtype=np.int64))
+
+
+def llm_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Generate:
+    import numpy as np
+    import openvino_genai as og
+
+    threads = workers.peer_threads(workers.BUDGET)
+    pipe = og.LLMPipeline(model, "CPU", prompt_lookup=lookup, INFERENCE_NUM_THREADS=threads)
+
+    def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        assert len(prompts) == 1, "LLMPipeline serves one stream"
+        result = pipe.generate(_tensor(prompts[0]), _config(model, max_new, k, ngram, lookup))
+        return [np.asarray(result.tokens[0]).tolist()]
+
+    return generate
+
+
+def cb_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Generate:
+    import openvino_genai as og
+
+    b = workers.BUDGET
+    sc = og.SchedulerConfig()
+    sc.cache_size = max(1, int(round(b.kv_cache_gb)))
+    sc.max_num_seqs = b.max_num_seqs
+    sc.max_num_batched_tokens = b.max_num_batched_tokens
+    sc.enable_prefix_caching = False
+    properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": workers.peer_threads(b)}
+    if lookup:
+        properties["prompt_lookup"] = True
+    pipe = og.ContinuousBatchingPipeline(model, sc, "CPU", properties)
+
+    def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        config = _config(model, max_new, k, ngram, lookup)
+        out = pipe.generate([_tensor(p) for p in prompts], [config] * len(prompts))
+        return [list(r.m_generation_ids[0]) for r in out]
+
+    return generate
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:
-    """The median of the per-prompt ratios a[i] / b[i]."""
+    """The median of the per-round ratios a[i] / b[i]."""
     return median(x / y for x, y in zip(a, b, strict=True))
+
+
+def run_streams(
+    engines: dict[str, Generate], prompts: list[list[int]], streams: int, rounds: int, max_new: int
+) -> dict[str, Any]:
+    """rounds rounds of `streams` prompts at once, every engine in turn on the same prompts."""
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    replies: dict[str, list[list[int]]] = {name: [] for name in engines}
+    for r in range(rounds):
+        batch = [prompts[(r * streams + i) % len(prompts)] for i in range(streams)]
+        for name, generate in engines.items():
+            t0 = time.perf_counter()
+            out = generate(batch, max_new)
+            rates[name].append(sum(len(x) for x in out) / (time.perf_counter() - t0))
+            replies[name] += out
+        print(f"  {streams} streams, round {r}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), flush=True)
+    return {"rates": rates, "replies": replies}
+
+
+def summarize(rates: dict[str, list[float]], replies: dict[str, list[list[int]]]) -> dict[str, Any]:
+    pairs = [("ovserve+lookup", "ovserve"), ("genai+lookup", "genai"), ("genai-cb+lookup", "genai-cb")]
+    ratios = {f"{a} / {b}": median_ratio(rates[a], rates[b]) for a, b in pairs if a in rates and b in rates}
+    for peer in ("genai+lookup", "genai-cb+lookup", "genai-cb"):
+        if peer in rates:
+            ratios[f"ovserve+lookup / {peer}"] = median_ratio(rates["ovserve+lookup"], rates[peer])
+    same = {
+        f"{a} == {b}": f"{sum(x == y for x, y in zip(replies[a], replies[b], strict=True))}/{len(replies[a])}"
+        for a, b in pairs
+        if a in replies and b in replies
+    }
+    return {
+        "median_tokens_per_s": {n: round(median(v), 1) for n, v in rates.items()},
+        "ratios": {n: round(v, 3) for n, v in ratios.items()},
+        "identical_greedy_replies": same,
+        "reply_tokens": {n: round(median(len(x) for x in v)) for n, v in replies.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__)
     p.add_argument("model")
-    p.add_argument("--prompts", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--workloads", default="edit,writing", help="comma-separated: edit, writing")
+    p.add_argument("--streams", default="1", help="comma-separated stream counts, e.g. 1,4,8")
+    p.add_argument("--rounds", type=int, default=0, help="rounds per stream count (default: the prompts once)")
+    p.add_argument("--writing-prompts", type=int, default=8, help="prompts of the writing set used")
+    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--k", type=int, default=5, help="draft tokens per step (genai: num_assistant_tokens)")
-    p.add_argument("--ngram", type=int, default=3)
+    p.add_argument("--ngram", type=int, default=3, help="longest n-gram matched (genai: max_ngram_size)")
+    p.add_argument("--no-llm-pipeline", action="store_true", help="leave genai's LLMPipeline out")
+    p.add_argument("--ours-only", action="store_true", help="ovserve without and with speculation only")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
-    ids, _ = run.tokenize(Path(a.model), run.load_prompts())
-    ids = ids[: a.prompts]
-    threads = workers.peer_threads(workers.BUDGET)
-    engines = {"ovserve": ours(a.model, 0, a.ngram), "ovserve+lookup": ours(a.model, a.k, a.ngram)}
-    pipes = {"genai": genai(a.model, threads, False), "genai+lookup": genai(a.model, threads, True)}
-    rates: dict[str, list[float]] = {name: [] for name in [*engines, *pipes]}
-    same = 0
-    try:
-        for i, prompt in enumerate(ids):
-            replies = {}
-            for name, engine in engines.items():
-                t0 = time.perf_counter()
-                replies[name] = asyncio.run(ours_one(engine, prompt, a.max_new_tokens))
-                rates[name].append(len(replies[name]) / (time.perf_counter() - t0))
-            same += replies["ovserve"] == replies["ovserve+lookup"]
-            for name, pipe in pipes.items():
-                t0 = time.perf_counter()
-                n = genai_one(pipe, prompt, a.max_new_tokens, a.k, a.ngram, lookup=name.endswith("lookup"))
-                rates[name].append(n / (time.perf_counter() - t0))
-            print(f"prompt {i}: " + ", ".join(f"{n} {r[-1]:.1f} tok/s" for n, r in rates.items()), flush=True)
-        stats = engines["ovserve+lookup"].stats()
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
-    result = {
+    streams = [int(s) for s in a.streams.split(",")]
+    ours_plain, ours_lookup = ours(a.model, 0, a.ngram), ours(a.model, a.k, a.ngram)
+    engines: dict[str, Generate] = {"ovserve": ours_generate(ours_plain), "ovserve+lookup": ours_generate(ours_lookup)}
+    single: dict[str, Generate] = {}
+    if not a.ours_only:
+        engines["genai-cb"] = cb_pipeline(a.model, False, a.k, a.ngram)
+        engines["genai-cb+lookup"] = cb_pipeline(a.model, True, a.k, a.ngram)
+        if not a.no_llm_pipeline:
+            single["genai"] = llm_pipeline(a.model, False, a.k, a.ngram)
+            single["genai+lookup"] = llm_pipeline(a.model, True, a.k, a.ngram)
+    result: dict[str, Any] = {
         "model": a.model,
         "k": a.k,
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,
-        "tokens_per_s": rates,
-        "median_tokens_per_s": {n: median(r) for n, r in rates.items()},
-        "speedup_ours": median_ratio(rates["ovserve+lookup"], rates["ovserve"]),
-        "speedup_genai": median_ratio(rates["genai+lookup"], rates["genai"]),
-        "lookup_vs_genai_lookup": median_ratio(rates["ovserve+lookup"], rates["genai+lookup"]),
-        "acceptance": stats.num_accepted_tokens / max(1, stats.num_draft_tokens),
-        "identical_replies": f"{same}/{len(ids)}",
+        "load_before": os.getloadavg(),
+        "ovserve_step_overhead_tokens": round(ours_lookup.core.scheduler.step_overhead_tokens, 2),
+        "workloads": {},
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "tokens_per_s"}, indent=1))
+    try:
+        for workload in a.workloads.split(","):
+            prompts = run.load_prompts(WORKLOADS[workload])
+            if workload == "writing":
+                prompts = prompts[: a.writing_prompts]
+            ids, _ = run.tokenize(Path(a.model), prompts)
+            for n in streams:
+                print(f"{workload}, {n} streams (load {os.getloadavg()[0]:.1f})", flush=True)
+                stats0 = ours_lookup.stats()
+                rounds = a.rounds or max(1, len(ids) // n)
+                measured = run_streams(engines | (single if n == 1 else {}), ids, n, rounds, a.max_new_tokens)
+                stats = ours_lookup.stats()
+                drafts = stats.num_draft_tokens - stats0.num_draft_tokens
+                accepted = stats.num_accepted_tokens - stats0.num_accepted_tokens
+                verify_steps = stats.num_verify_steps - stats0.num_verify_steps
+                summary = summarize(measured["rates"], measured["replies"]) | {
+                    "ovserve_drafts": drafts,
+                    "ovserve_acceptance": round(accepted / max(1, drafts), 3),
+                    "ovserve_tokens_per_verify_step": round(1 + accepted / max(1, verify_steps), 2),
+                    "load": os.getloadavg(),
+                    "tokens_per_s": measured["rates"],
+                }
+                result["workloads"].setdefault(workload, {})[str(n)] = summary
+                print(json.dumps({k: v for k, v in summary.items() if k != "tokens_per_s"}, indent=1), flush=True)
+    finally:
+        ours_plain.shutdown()
+        ours_lookup.shutdown()
+    result["load_after"] = os.getloadavg()
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -138,6 +138,11 @@ class EngineCollector:
             ("ovserve_prefix_cache_evictions", "Cached KV blocks reused for new content", s.num_cache_evictions),
             ("ovserve_spec_draft_tokens", "Draft tokens verified (speculative decoding)", s.num_draft_tokens),
             ("ovserve_spec_accepted_tokens", "Draft tokens the model agreed with", s.num_accepted_tokens),
+            (
+                "ovserve_spec_verify_steps",
+                "Request-steps that verified draft tokens (each yields the accepted drafts plus one token)",
+                s.num_verify_steps,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("ovserve_loading_requests", "Requests restoring their prefix from disk", s.num_loading)

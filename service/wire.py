@@ -150,6 +150,7 @@ def usage_pb(usage: Usage) -> pb.Usage:
         completion_tokens=usage.completion_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens,
         disk_prompt_tokens=usage.disk_prompt_tokens,
+        accepted_draft_tokens=usage.accepted_draft_tokens,
     )
 
 

@@ -125,3 +125,21 @@ def test_report_profiles_the_engine_thread(tmp_path: Path, update_key: str):
     results["models"]["m"]["rounds"] = [_ours_round(thread_s)]
     report.write(results, tmp_path)
     assert "| 1 | 50% | 5% | 2% | 3% | 40% |" in (tmp_path / "REPORT.md").read_text()
+
+
+def test_speculative_summary_pairs_each_engine_with_its_own_plain_run():
+    from bench import speculative
+
+    rates = {"ovserve": [10, 20], "ovserve+lookup": [30, 30], "genai": [10, 10], "genai+lookup": [20, 40]}
+    replies = {
+        "ovserve": [[1, 2], [3]],
+        "ovserve+lookup": [[1, 2], [4]],
+        "genai": [[5], [6]],
+        "genai+lookup": [[5], [6]],
+    }
+    s = speculative.summarize(rates, replies)
+    assert s["ratios"]["ovserve+lookup / ovserve"] == pytest.approx(2.25)  # median of 3.0 and 1.5
+    assert s["ratios"]["genai+lookup / genai"] == pytest.approx(3.0)
+    assert s["ratios"]["ovserve+lookup / genai+lookup"] == pytest.approx((1.5 + 0.75) / 2)
+    assert s["identical_greedy_replies"] == {"ovserve+lookup == ovserve": "1/2", "genai+lookup == genai": "2/2"}
+    assert all(len(p) > 0 for p in map(speculative.run.load_prompts, speculative.WORKLOADS.values()))

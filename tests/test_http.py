@@ -54,6 +54,7 @@ def test_chat_unary_and_stream_agree(sdk, model):
     assert choice.finish_reason == "length" and whole.usage.completion_tokens == 12
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
     assert whole.usage.prompt_tokens_details.cached_tokens >= 0
+    assert whole.usage.completion_tokens_details.accepted_prediction_tokens == 0  # no speculation here
     chunks = list(chat(sdk, model, stream=True, stream_options={"include_usage": True}, **GREEDY))
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"

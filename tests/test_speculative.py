@@ -4,6 +4,7 @@ model; then on a real model, greedy output with speculation equals greedy output
 import asyncio
 import itertools
 
+import numpy as np
 import pytest
 
 from service.core.config import EngineConfig
@@ -11,8 +12,9 @@ from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
 from service.core.request import Request
+from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler
-from service.core.speculative import PromptLookup, accept_greedy
+from service.core.speculative import RETRY_FIRST, DraftStats, PromptLookup, StepCost, accept_greedy
 from service.engine import Engine
 
 IDS = itertools.count()
@@ -36,11 +38,14 @@ def test_accept_greedy_keeps_the_agreeing_run_and_the_models_token():
     assert accept_greedy([], [3]) == [3]
 
 
-def scheduler(k=3, max_seqs=4, num_blocks=32, max_model_len=64) -> Scheduler:
+def scheduler(k=3, max_seqs=4, num_blocks=32, max_model_len=64, overhead=1000.0) -> Scheduler:
+    """overhead: a step's fixed cost in tokens; large, drafts always pay (tests of the mechanics)."""
     config = EngineConfig(
         max_num_seqs=8, max_num_batched_tokens=64, speculative_tokens=k, speculative_max_seqs=max_seqs
     )
-    return Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len)
+    s = Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len)
+    s.step_overhead_tokens = overhead
+    return s
 
 
 def decoding(s: Scheduler, prompt, **params) -> Request:
@@ -71,7 +76,7 @@ def test_update_keeps_accepted_drafts_and_rolls_back_the_rest():
     assert r.output_token_ids == [7, 8, 9, 42]
     assert r.num_tokens == 16 and r.num_computed_tokens == 15  # 7, 8, 9 computed; 42 is fed next
     assert len(s.kv.block_ids(r.id)) == 4  # blocks past the new length were given back
-    assert (s.num_draft_tokens, s.num_accepted_tokens) == (5, 2)
+    assert (s.num_draft_tokens, s.num_accepted_tokens, s.num_verify_steps, r.num_accepted_drafts) == (5, 2, 1, 2)
     assert s.schedule().chunks[0].start == 15
 
 
@@ -81,6 +86,7 @@ def test_a_stop_inside_the_accepted_run_ends_the_request_there():
     plan = s.schedule()
     assert s.update(plan, [[6, 7, 8, 9]]) == [r]
     assert r.output_token_ids == [5, 6, 7] and r.finish_reason is FinishReason.STOP
+    assert r.num_accepted_drafts == 2  # the model kept 6, 7 and 8, but 8 came after the stop
     assert s.kv.pool.num_free == 32
 
 
@@ -89,10 +95,10 @@ def test_a_stop_inside_the_accepted_run_ends_the_request_there():
     [{"temperature": 0.8}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"logprobs": 2}],
     ids=["sampled", "repetition", "presence", "logprobs"],
 )
-def test_only_plain_greedy_requests_speculate(params):
+def test_sampled_and_penalized_requests_speculate_too(params):
     s = scheduler()
     decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9], **params)
-    assert s.schedule().chunks[0].drafts == ()
+    assert s.schedule().chunks[0].drafts == (6, 7, 8)
 
 
 def test_drafts_respect_token_limits_and_load():
@@ -108,59 +114,241 @@ def test_drafts_respect_token_limits_and_load():
     assert len(full.schedule().chunks[0].drafts) == 1  # 10 tokens, context 12
 
 
-def test_min_new_tokens_pending_means_no_drafts():
-    s = scheduler()
-    decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9], min_new_tokens=3, eos_token_ids=(99,))
-    assert s.schedule().chunks[0].drafts == ()
+# -- verification of sampled requests, without a model ----------------------------------------------------
+V = 6
+
+
+def rows_for(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(scale=1.5, size=(n, V)).astype(np.float32)
+
+
+def request(prompt=(1, 2, 3), **params) -> Request:
+    return Request(next(IDS), list(prompt), SamplingParams(**params))
+
+
+PARAMS = [
+    {"temperature": 0.0, "logprobs": 2},
+    {"temperature": 0.0, "repetition_penalty": 1.5, "presence_penalty": 0.7},
+    {"temperature": 1.0, "seed": 3},
+    {"temperature": 0.7, "top_k": 3, "seed": 4, "logprobs": 3},
+    {"temperature": 1.3, "top_p": 0.8, "min_p": 0.05, "seed": 5},
+    {"temperature": 1.0, "presence_penalty": 1.5, "frequency_penalty": 0.8, "seed": 6},
+    {"temperature": 1.0, "repetition_penalty": 2.0, "seed": 7},
+    {"temperature": 1.0, "min_new_tokens": 3, "eos_token_ids": (0,), "seed": 8},
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: ",".join(p))
+def test_verify_emits_what_plain_steps_would(params):
+    """Each position is sampled as a plain step would, given the drafts before it as generated tokens (their
+    penalties, the min_new_tokens mask, one draw from the request's generator), and the run stops at the
+    first token that differs from its draft."""
+    rows = rows_for(5, seed=len(params))
+    rows[:, 0] += 2.0  # eos likely: masked while min_new_tokens is pending
+    plain = request(**params)
+    steps = []
+    for row in rows:
+        out = sample(row[None].copy(), [plain])
+        steps.append((out.token_ids[0], out.logprobs[0]))
+        plain.append_token(out.token_ids[0])
+    tokens = [t for t, _ in steps]
+    for mismatch in range(5):  # drafts agree up to position mismatch, then one differs (4: all agree, a bonus)
+        drafts = [*tokens[:mismatch], (tokens[mismatch] + 1) % V][:4]
+        out = verify(rows.copy(), request(**params), drafts)
+        assert out.token_ids == tokens[: mismatch + 1]
+        assert out.logprobs == [lp for _, lp in steps[: mismatch + 1]]
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = counts.sum() * probs
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom (a fixed seed makes the test deterministic;
+# the bound says the counts would pass for almost any seed)
+CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_speculative_sampling_keeps_the_distribution():
+    """Accepting draft x with probability p(x), and otherwise sampling p without x, must emit tokens distributed
+    as p; after an accepted draft the bonus token follows p at the next position, whose presence penalty
+    counts the draft."""
+    rows = np.array([[1.0, 0.5, 0.0, -0.5, 0.8, -1.0], [0.3, 0.9, -0.2, 0.4, 0.0, 0.6]], dtype=np.float32)
+    draft, temperature, presence = 4, 0.9, 0.7
+    p0 = softmax(rows[0] / temperature)
+    penalized = rows[1].copy()
+    penalized[draft] -= presence
+    p1 = softmax(penalized / temperature)
+    r = request(temperature=temperature, presence_penalty=presence, seed=2026)
+    first, bonus = np.zeros(V, dtype=np.int64), np.zeros(V, dtype=np.int64)
+    trials = 20_000
+    for _ in range(trials):
+        out = verify(rows.copy(), r, [draft])
+        first[out.token_ids[0]] += 1
+        if len(out.token_ids) == 2:
+            bonus[out.token_ids[1]] += 1
+    assert chi_square(first, p0) < CHI2_999[V - 1]
+    # the rejection path alone: p without the draft, renormalized
+    rejected = first.copy()
+    rejected[draft] = 0
+    without = p0.copy()
+    without[draft] = 0
+    assert chi_square(rejected, without / without.sum()) < CHI2_999[V - 2]
+    assert bonus.sum() == first[draft]  # a bonus exactly when the draft was kept
+    assert chi_square(bonus, p1) < CHI2_999[V - 1]
+
+
+def test_verify_with_top_k_never_emits_a_cut_token():
+    rows = rows_for(3, seed=11)
+    top2 = [set(np.argsort(-row)[:2].tolist()) for row in rows]
+    outside = next(t for t in range(V) if t not in top2[0])
+    r = request(temperature=2.0, top_k=2, seed=1)
+    for _ in range(200):
+        out = verify(rows.copy(), r, [outside, 0])
+        assert out.token_ids[0] in top2[0] and len(out.token_ids) == 1  # a draft outside top-k is never kept
 
 
 # -- on a real model -------------------------------------------------------------------------------------
-def greedy_outputs(model, prompts, max_new, **config) -> tuple[list[list[int]], object]:
+def outputs(model, prompts, max_new, params=None, **config) -> tuple[list[list[int]], object]:
+    """The tokens of each prompt, all submitted at once; params[i] for prompt i (default: greedy). With
+    logprobs, each token comes as (token, its logprob's token id, logprob)."""
     engine = Engine(
         model, EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=64, kv_cache_precision="f16", **config)
     )
     engine.start()
-    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    accepted = []
 
-    async def one(prompt):
+    async def one(prompt, p):
         tokens = []
-        async for out in engine.generate(prompt, params):
-            tokens += out.token_ids
+        async for out in engine.generate(prompt, p):
+            if out.usage is not None:
+                accepted.append(out.usage.accepted_draft_tokens)
+            if p.logprobs:
+                assert len(out.logprobs) == len(out.token_ids)
+                tokens += [(t, lp.token_id, lp.logprob) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+            else:
+                tokens += out.token_ids
         return tokens
 
     async def main():
-        return await asyncio.gather(*(one(p) for p in prompts))
+        wanted = params or [greedy] * len(prompts)
+        return await asyncio.gather(*(one(p, q) for p, q in zip(prompts, wanted, strict=True)))
 
     try:
-        outputs = asyncio.run(main())
+        result = asyncio.run(main())
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
-        return outputs, stats
+        assert sum(accepted) <= stats.num_accepted_tokens  # less when a stop dropped kept drafts
+        return result, stats
     finally:
         engine.shutdown()
 
 
+TEXT = [1000 + (i * 7) % 50 for i in range(60)]  # a prompt with repeats, so lookup has something to offer
+
+
 def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir):
     """Uncompressed weights and an f16 cache: a k+1-token verify step must reproduce one-token decoding."""
-    text = [1000 + (i * 7) % 50 for i in range(60)]  # a prompt with repeats, so lookup has something to offer
-    prompts = [text, text[10:] + text[:10], [5, 6, 7] * 12]
-    plain, _ = greedy_outputs(tiny_qwen3_fp16_ir, prompts, 40)
-    fast, stats = greedy_outputs(tiny_qwen3_fp16_ir, prompts, 40, speculative_tokens=4)
+    prompts = [TEXT, TEXT[10:] + TEXT[:10], [5, 6, 7] * 12]
+    plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40)
+    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 40, speculative_tokens=4)
     assert fast == plain
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    # each verify step yields its kept drafts and one token; every other step one token per request
+    assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
 
 
-def test_drafts_adapt_to_what_the_request_accepts():
-    s = scheduler(k=4)
-    r = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # first token 9: lookup offers 1, 2, 3, 4
-    plan = s.schedule()
-    assert len(plan.chunks[0].drafts) == 4
-    s.update(plan, [[5]])  # the model rejects the first draft
-    assert r.max_drafts == 1
+def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwen3_fp16_ir):
+    """Each verified position applies the penalties and the eos mask as if the drafts before it were generated,
+    and reports the logprob the plain sampler would."""
+    params = [
+        SamplingParams(max_new_tokens=30, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, frequency_penalty=0.5, logprobs=2, ignore_eos=True),
+        SamplingParams(max_new_tokens=30, min_new_tokens=20, stop_token_ids=tuple(TEXT[:10])),
+    ]
+    prompts = [TEXT, [5, 6, 7] * 12, TEXT[10:] + TEXT[:10]]
+    plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 0, params)
+    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 0, params, speculative_tokens=4)
+    assert [fast[0], fast[2]] == [plain[0], plain[2]]
+    assert [t[:2] for t in fast[1]] == [t[:2] for t in plain[1]]
+    assert [t[2] for t in fast[1]] == pytest.approx([t[2] for t in plain[1]], abs=1e-3)
+    assert stats.num_accepted_tokens > 0, stats
+
+
+def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir):
+    """Speculation on: the same seeded request alone and beside others (which changes how many drafts it is
+    offered, and when) gives one reply; and since verification draws once per emitted token, the reply is
+    the one plain decoding gives."""
+    seeded = SamplingParams(
+        max_new_tokens=40, temperature=0.1, presence_penalty=0.2, seed=77, ignore_eos=True, logprobs=2
+    )  # a low temperature: the random model's output then repeats its prompt now and then, so drafts are kept
+    crowd = [SamplingParams(max_new_tokens=30, temperature=t, seed=None, ignore_eos=True) for t in (0.0, 0.9, 0.3)]
+    others = [[5, 6, 7] * 12, TEXT[20:], TEXT[5:40]]
+    (alone,), stats = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded], speculative_tokens=4)
+    crowded, _ = outputs(tiny_qwen3_fp16_ir, [*others, TEXT], 0, [*crowd, seeded], speculative_tokens=4)
+    (plain,), _ = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded])
+    assert stats.num_accepted_tokens > 0, stats  # some drafts were kept: the sampled path ran
+    for reply in (crowded[-1], plain):  # logprobs agree to rounding: the step shapes differ
+        assert [t[:2] for t in reply] == [t[:2] for t in alone]
+        assert [t[2] for t in reply] == pytest.approx([t[2] for t in alone], abs=1e-3)
+
+
+def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
+    """A draft kept with probability q is worth its token when q * (F + T) > produced."""
+    alone = StepCost(overhead=8, tokens=1, produced=1)
+    assert alone.affordable(0.9, 5) == 5  # one stream: reading the weights dominates, drafts are nearly free
+    assert alone.affordable(0.5, 5) == 2  # 0.5 * 9 > 1, 0.25 * 10 > 1.5, 0.125 * 11 < 1.75
+    assert alone.affordable(0.1, 5) == 0  # 0.1 * 9 < 1
+    crowd = StepCost(overhead=8, tokens=32, produced=32)  # 32 decoding requests: compute-bound
+    assert crowd.affordable(0.5, 5) == 0
+    assert crowd.affordable(0.85, 5) == 1  # 0.85 * 40 > 32, 0.7225 * 41 < 32.85
+    assert crowd.affordable(0.95, 5) == 4  # a request that copies its input still gains
+    beside_a_prompt = StepCost(overhead=8, tokens=200, produced=1)  # one decoding request beside a prompt chunk
+    assert beside_a_prompt.affordable(0.3, 5) == 4  # the step is slow anyway: its few outputs are worth a lot
+    crowd.add(1, 0.85)
+    assert (crowd.tokens, crowd.produced) == (33, 32.85)
+
+
+def test_a_request_whose_drafts_miss_backs_off_and_probes_later():
+    s = scheduler(k=4, overhead=8.0)
+    r = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # first token 1: lookup offers 2, 3, ...
+    offered = []
+    for token in (5, 3, 7, 2):  # each rejects the first draft and has a continuation for lookup to offer
+        plan = s.schedule()
+        offered.append(len(plan.chunks[0].drafts))
+        s.update(plan, [[token]])
+    assert offered == [2, 1, 1, 0]  # acceptance 0.5, then 1/3: one draft; three misses in a row: none
+    without, plan = 1, s.schedule()  # steps without drafts since backing off: the fourth was one
+    while not plan.chunks[0].drafts:
+        without += 1
+        s.update(plan, [[9]])
+        plan = s.schedule()
+    assert without == RETRY_FIRST - 1 and len(plan.chunks[0].drafts) == 1  # then a probe of one draft
+    s.update(plan, [[5]])  # the probe misses: twice as long to the next one
+    assert r.draft_stats.retry_after == 2 * RETRY_FIRST and r.draft_stats.idle_steps == 0
+    r.draft_stats.idle_steps = r.draft_stats.retry_after - 1
     plan = s.schedule()
     assert len(plan.chunks[0].drafts) == 1
-    s.update(plan, [[*plan.chunks[0].drafts, 5]])  # accepted in full: offer more again
-    assert r.max_drafts == 2
+    s.update(plan, [[*plan.chunks[0].drafts, 7]])  # the probe is kept: drafts are back, a next back-off probes soon
+    assert not r.draft_stats.backed_off and r.draft_stats.retry_after == RETRY_FIRST and r.draft_stats.acceptance > 0.3
+    assert s.schedule().chunks[0].drafts  # offered by the cost rule again
+
+
+def test_accepted_drafts_raise_the_estimate():
+    stats = DraftStats()
+    assert stats.acceptance == 0.5
+    stats.record(offered=4, accepted=4)
+    assert stats.acceptance == pytest.approx(5 / 6)
+    stats.record(offered=4, accepted=1)  # one kept, one rejected; the two after it say nothing
+    assert stats.acceptance == pytest.approx((0.7 * 4 + 1 + 1) / (0.7 * 4 + 1 + 1 + 2))
 
 
 def test_drafts_never_preempt_and_leave_others_their_block():

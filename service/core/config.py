@@ -50,8 +50,8 @@ class EngineConfig:
     )
     speculative_tokens: int = setting(
         0,
-        "draft tokens proposed per decoding request by prompt lookup and verified in the same step (greedy "
-        "requests without penalties); 0 turns speculation off",
+        "draft tokens proposed per decoding request by prompt lookup and verified in the same step; 0 turns "
+        "speculation off",
     )
     speculative_ngram: int = setting(3, "longest n-gram of a request's tokens that prompt lookup matches")
     speculative_max_seqs: int = setting(

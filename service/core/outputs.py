@@ -18,6 +18,7 @@ class Usage:
     completion_tokens: int
     cached_prompt_tokens: int  # not computed: found in the RAM prefix cache or restored from disk
     disk_prompt_tokens: int = 0  # of the cached ones, those restored from the disk tier
+    accepted_draft_tokens: int = 0  # of the completion tokens, speculative drafts the model kept
 
 
 @dataclass(frozen=True)

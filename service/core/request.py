@@ -12,6 +12,7 @@ import numpy as np
 
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
+from service.core.speculative import DraftStats
 from service.errors import InvalidArgument
 
 MAX_LABEL_CHARS = 128
@@ -82,7 +83,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens not computed at first admission: found in RAM or restored
     num_restored_tokens: int = 0  # of those, the ones restored from the disk tier
-    max_drafts: int | None = None  # speculative decoding: drafts to offer next, adapted to its acceptance
+    draft_stats: DraftStats = field(default_factory=DraftStats)  # speculative decoding: what its drafts earned
+    num_accepted_drafts: int = 0  # output tokens that were drafts the model kept
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)

@@ -1,8 +1,16 @@
-"""Turns one logits row per sampled request into a token, vectorized over the batch where it pays.
+"""Turns logits rows into tokens: one row per sampled request, vectorized over the batch where it pays,
+or a verify step's rows for one request's draft tokens.
 
 Greedy rows take an argmax over the whole batch at once. Penalties and the min_new_tokens mask touch
 only the rows that ask for them. Random rows draw from each request's own generator, so a seeded
 request gives the same tokens whatever else shares its batch.
+
+Verification (speculative decoding) samples each position of a draft run exactly as a normal step would
+(penalties and masks as if the earlier drafts had been generated, one draw from the request's generator
+per emitted token) and stops at the first token that differs from its draft. For a deterministic proposal
+this is the speculative-sampling rule: draft x is kept with probability p(x), and on a rejection the token
+is distributed as p without x, renormalized. It also spends the generator exactly as plain decoding does,
+so a seeded reply does not depend on what was proposed.
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.core.outputs import TokenLogprob
+from service.core.params import SamplingParams
 from service.core.request import Request
+from service.core.speculative import accept_greedy
 
 
 @dataclass(frozen=True)
@@ -26,7 +36,7 @@ def sample(logits: np.ndarray, requests: Sequence[Request]) -> SampleResult:
     """logits: [len(requests), vocab] float32, modified in place."""
     logits = logits.astype(np.float32, copy=False)
     for row, request in enumerate(requests):
-        _apply_penalties(logits[row], request)
+        _apply_penalties(logits[row], request.params, request.output_token_ids, request.all_token_ids)
     token_ids = np.argmax(logits, axis=-1)
     for row, request in enumerate(requests):
         if not request.params.greedy:
@@ -39,17 +49,54 @@ def sample(logits: np.ndarray, requests: Sequence[Request]) -> SampleResult:
     return SampleResult(chosen, logprobs)
 
 
-def _apply_penalties(row: np.ndarray, request: Request) -> None:
+def verify(rows: np.ndarray, request: Request, drafts: Sequence[int]) -> SampleResult:
+    """rows: [len(drafts) + 1, vocab], row i the logits after the request's tokens and drafts[:i]; modified in
+    place. Returns the emitted tokens (the drafts kept, then the first token that is not its draft, or a
+    bonus token after the last draft) with their logprobs, as len(result) plain steps would have sampled
+    them given those tokens."""
+    rows = rows.astype(np.float32, copy=False)
     p = request.params
-    if request.num_output_tokens < p.min_new_tokens:
+    if _argmax_only(request):  # no per-position state to track: one vectorized argmax
+        tokens = accept_greedy(drafts, [int(t) for t in np.argmax(rows, axis=-1)])
+        return SampleResult(tokens, [None] * len(tokens))
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob | None] = []
+    for i, row in enumerate(rows):
+        earlier = list(drafts[:i])  # the tokens before this position are the kept drafts
+        _apply_penalties(row, p, [*request.output_token_ids, *earlier], [*request.all_token_ids, *earlier])
+        token = int(np.argmax(row)) if p.greedy else _sample_row(row, request)
+        token_ids.append(token)
+        logprobs.append(_logprobs(row, token, p.logprobs) if p.logprobs else None)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return SampleResult(token_ids, logprobs)
+
+
+def _argmax_only(request: Request) -> bool:
+    """Greedy with nothing that changes a row: no penalties, no logprobs, eos no longer masked."""
+    p = request.params
+    return (
+        p.greedy
+        and not p.logprobs
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and request.num_output_tokens >= p.min_new_tokens
+    )
+
+
+def _apply_penalties(
+    row: np.ndarray, p: SamplingParams, output_token_ids: Sequence[int], all_token_ids: Sequence[int]
+) -> None:
+    if len(output_token_ids) < p.min_new_tokens:
         banned = [t for t in (*p.eos_token_ids, *p.stop_token_ids) if t < row.shape[0]]
         row[banned] = -np.inf
     if p.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(request.all_token_ids, dtype=np.int64))
+        seen = np.unique(np.asarray(all_token_ids, dtype=np.int64))
         vals = row[seen]
         row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-        ids, counts = np.unique(np.asarray(request.output_token_ids, dtype=np.int64), return_counts=True)
+    if (p.presence_penalty or p.frequency_penalty) and output_token_ids:
+        ids, counts = np.unique(np.asarray(output_token_ids, dtype=np.int64), return_counts=True)
         row[ids] -= p.presence_penalty + p.frequency_penalty * counts
 
 

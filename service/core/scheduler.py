@@ -30,7 +30,7 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-from service.core.speculative import PromptLookup, Proposer
+from service.core.speculative import PromptLookup, Proposer, StepCost
 from service.core.stop import stop_reason
 
 
@@ -112,6 +112,8 @@ class Scheduler:
         self.speculative_tokens = config.speculative_tokens
         self.speculative_max_seqs = config.speculative_max_seqs
         self.proposer = proposer or PromptLookup(config.speculative_ngram)
+        # a step's fixed cost in units of one token's work: the engine measures it at warm-up
+        self.step_overhead_tokens = 8.0
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv
@@ -125,6 +127,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_verify_steps = 0  # chunks with drafts verified: tokens per verify step follows
 
     def add(self, request: Request) -> None:
         if request.id in self.requests:
@@ -184,6 +187,7 @@ class Scheduler:
         now = time.monotonic()
         for chunk in plan.chunks:
             request = chunk.request
+            num_before = request.num_output_tokens
             reason = self._append(request, runs.get(request, ()), now)
             if chunk.drafts:
                 # computed: the fed token and the accepted drafts; the positions of rejected ones are
@@ -191,10 +195,10 @@ class Scheduler:
                 accepted = len(runs[request]) - 1
                 self.num_draft_tokens += len(chunk.drafts)
                 self.num_accepted_tokens += accepted
-                # offer more after a full acceptance, and after a miss only what was accepted plus one:
-                # a request whose text does not follow its input soon costs one draft per step
-                full = accepted == len(chunk.drafts)
-                request.max_drafts = min(self.speculative_tokens, 2 * accepted) if full else accepted + 1
+                self.num_verify_steps += 1
+                # a stop inside the run drops what follows it: only kept drafts that reached the output count
+                request.num_accepted_drafts += min(accepted, request.num_output_tokens - num_before)
+                request.draft_stats.record(len(chunk.drafts), accepted)
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request.id, request.num_tokens)
             else:
@@ -222,6 +226,7 @@ class Scheduler:
         self._drop_expired(plan)
         budget = self.max_num_batched_tokens
         speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
+        cost = self._step_cost(budget) if speculate else None
         for request in list(self.running):
             if budget == 0:
                 break
@@ -230,7 +235,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, plan):
                 continue
-            drafts = self._drafts(request, budget - num_new) if speculate and num_new == 1 else ()
+            drafts = self._drafts(request, budget - num_new, cost) if cost and num_new == 1 else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running
             # request its block to grow into
             target = request.num_computed_tokens + num_new + len(drafts)
@@ -321,21 +326,40 @@ class Scheduler:
             drafts=drafts,
         )
 
-    def _drafts(self, request: Request, room: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request, when it can take them: greedy without penalties, logprobs or
-        a pending min_new_tokens (its verification is an argmax per position), within its token limits."""
+    def _step_cost(self, budget: int) -> StepCost:
+        """The step's tokens and sampled requests before any drafts: what the running requests will compute
+        (waiting ones admitted after them are not known yet)."""
+        tokens = sampled = 0
+        for request in self.running:
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget - tokens)
+            if num_new <= 0:
+                break
+            tokens += num_new
+            sampled += request.num_computed_tokens + num_new == request.num_tokens
+        return StepCost(self.step_overhead_tokens, tokens, max(1, sampled))
+
+    def _drafts(self, request: Request, room: int, cost: StepCost) -> tuple[int, ...]:
+        """Draft tokens for a decoding request: as many as raise the step's tokens per second given its
+        recent acceptance (a probe of one now and then when none do), within its token limits and the
+        step's room."""
         p = request.params
-        if not p.greedy or p.logprobs or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            return ()
-        if request.num_output_tokens < p.min_new_tokens:
-            return ()
-        k = min(
-            self.speculative_tokens if request.max_drafts is None else request.max_drafts,
+        limit = min(
+            self.speculative_tokens,
             room,
             p.max_new_tokens - request.num_output_tokens - 1,
             self.max_model_len - request.num_tokens - 1,
         )
-        return tuple(self.proposer.propose(request.all_token_ids, k)[:k]) if k > 0 else ()
+        if limit <= 0:
+            return ()
+        acceptance = request.draft_stats.acceptance
+        k = 0 if request.draft_stats.backed_off else cost.affordable(acceptance, limit)
+        if k == 0:
+            if not request.draft_stats.probe():
+                return ()
+            k = 1
+        drafts = tuple(self.proposer.propose(request.all_token_ids, k)[:k])
+        cost.add(len(drafts), acceptance)
+        return drafts
 
     def _drop_expired(self, plan: StepPlan) -> None:
         now = time.monotonic()

@@ -3,6 +3,8 @@
 A decoding request feeds its last token plus k drafts in one step; the model's logits at those k+1
 positions say which drafts it would have produced itself. The longest agreeing run of drafts is kept,
 and the first position that disagrees gives the model's own token, so a step always yields at least one.
+accept_greedy is that rule for plain greedy requests; sampler.verify applies it to any request by
+sampling each position as a normal step would.
 
 Proposers implement `Proposer`. Prompt lookup is the first: writing-assistant work (rewrite, fix, translate
 or continue a given text) copies long spans of its input, and the request's own tokens propose them for free.
@@ -11,7 +13,18 @@ or continue a given text) copies long spans of its input, and the request's own 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+# A request's acceptance is estimated from its recent verify steps: each step's counts are worth DECAY of the
+# next one's, so a reply that stops copying its input loses its drafts within a few steps.
+DECAY = 0.7
+# A request whose drafts do not pay, or were all rejected MISSES_TO_BACK_OFF verify steps in a row, is offered
+# none; after RETRY_FIRST decode steps it is offered one again (a probe: replies often return to copying their
+# input), and after each probe that fails it waits twice as long, up to RETRY_MAX steps. The explicit count
+# matters at one stream, where the cost rule alone would keep offering a draft kept one time in six.
+MISSES_TO_BACK_OFF = 3
+RETRY_FIRST, RETRY_MAX = 8, 128
 
 
 class Proposer(Protocol):
@@ -36,6 +49,75 @@ class PromptLookup:
                 if token_ids[start] == first and list(token_ids[start : start + n]) == suffix:
                     return list(token_ids[start + n : start + n + k])
         return []
+
+
+@dataclass
+class DraftStats:
+    """What a request's drafts earned lately; owned by the scheduler."""
+
+    hits: float = 0.0  # decayed count of kept drafts
+    misses: float = 0.0  # decayed count of rejections (a verify step has at most one)
+    misses_in_a_row: int = 0  # verify steps that kept no draft, since the last that kept one
+    idle_steps: int = 0  # decode steps without drafts since it last verified some
+    retry_after: int = RETRY_FIRST
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a draft is kept given that the ones before it were (with a prior of one hit and
+        one miss: a new request starts at 0.5)."""
+        return (self.hits + 1) / (self.hits + self.misses + 2)
+
+    def record(self, offered: int, accepted: int) -> None:
+        self.hits = DECAY * self.hits + accepted
+        self.misses = DECAY * self.misses + (accepted < offered)  # the drafts after a rejection say nothing
+        self.idle_steps = 0
+        if accepted:
+            self.misses_in_a_row, self.retry_after = 0, RETRY_FIRST
+        else:
+            self.misses_in_a_row += 1
+
+    @property
+    def backed_off(self) -> bool:
+        return self.misses_in_a_row >= MISSES_TO_BACK_OFF
+
+    def probe(self) -> bool:
+        """Called for a decode step in which drafts do not pay or the request backed off: True when it is
+        time to offer one anyway."""
+        self.idle_steps += 1
+        if self.idle_steps < self.retry_after:
+            return False
+        self.retry_after = min(2 * self.retry_after, RETRY_MAX)
+        return True
+
+
+@dataclass
+class StepCost:
+    """One step's tokens and expected output, for deciding how many drafts pay in it.
+
+    A step of T tokens takes about c * (F + T): F is the fixed part (reading the weights once, launching
+    the kernels) in units of one token's work c. The step yields `produced` tokens (one per sampled
+    request plus the drafts expected to be kept). One more draft, kept with probability q, takes the rate
+    from produced / (F + T) to (produced + q) / (F + T + 1): a gain exactly when q * (F + T) > produced.
+    Drafts are nearly free in a small step, which is bound by reading the weights, and must be likely to
+    be kept in a large one, which is bound by compute."""
+
+    overhead: float  # F
+    tokens: float  # T so far
+    produced: float
+
+    def affordable(self, acceptance: float, limit: int) -> int:
+        """How many drafts (at most limit) raise the step's tokens per second: the j-th is kept with
+        probability acceptance ** j."""
+        k, tokens, produced = 0, self.tokens, self.produced
+        while k < limit and acceptance ** (k + 1) * (self.overhead + tokens) > produced:
+            k += 1
+            tokens += 1
+            produced += acceptance**k
+        return k
+
+    def add(self, num_drafts: int, acceptance: float) -> None:
+        self.tokens += num_drafts
+        self.produced += sum(acceptance**j for j in range(1, num_drafts + 1))
 
 
 def accept_greedy(drafts: Sequence[int], model_tokens: Sequence[int]) -> list[int]:

@@ -55,6 +55,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     num_draft_tokens: int = 0  # proposed for speculative decoding and verified
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
+    num_verify_steps: int = 0  # request-steps that verified drafts; each also yields one token of the model's
     num_steps: int = 0
     num_failed_steps: int = 0
     last_step_seconds: float = 0.0

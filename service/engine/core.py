@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -25,9 +26,8 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
-from service.core.sampler import sample
+from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler, StepPlan
-from service.core.speculative import accept_greedy
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
@@ -50,6 +50,7 @@ class EngineOutput:
     error: ServiceError | None = None
     num_cached_tokens: int = 0
     num_restored_tokens: int = 0
+    num_accepted_drafts: int = 0
     queue_seconds: float = 0.0
 
     @property
@@ -128,11 +129,34 @@ class EngineCore:
         # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
         # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
         self.runner.execute([StepInput([0], 8, [0], 1)])
+        if self.config.speculative_tokens > 0:
+            self.scheduler.step_overhead_tokens = self._measure_step_overhead()
+            log.info(
+                "speculative decoding: a step's fixed cost is %.1f tokens' work", self.scheduler.step_overhead_tokens
+            )
         if self.disk_tier is not None:
             self.disk_tier.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
+
+    def _measure_step_overhead(self, num_tokens: int = 32, repeats: int = 3) -> float:
+        """The fixed part of a step's time in units of one verified token's work (all its logits rows
+        wanted, as for drafts), from the median times of one-token and num_tokens-token steps; kept within
+        [1, 64] so that a noisy measurement cannot turn speculation off or on for every step."""
+        blocks = list(range(-(-(8 + num_tokens) // self.runner.block_size)))
+
+        def seconds(n: int) -> float:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.runner.execute([StepInput([0] * n, 8, blocks, n)])
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        one, many = seconds(1), seconds(num_tokens)
+        per_token = max((many - one) / max(1, num_tokens - 1), 1e-9)
+        return min(max((one - per_token) / per_token, 1.0), 64.0)
 
     def stop(self) -> None:
         """Fail what is left with UNAVAILABLE and end the thread."""
@@ -265,21 +289,22 @@ class EngineCore:
         plain = [i for i, c in enumerate(sampled) if not c.drafts]
         result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain])
         runs: list[list[int]] = [[] for _ in sampled]
-        logprobs: list[TokenLogprob | None] = [None] * len(sampled)
+        logprobs: list[list[TokenLogprob | None]] = [[] for _ in sampled]
         for i, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
-            runs[i], logprobs[i] = [token_id], logprob
+            runs[i], logprobs[i] = [token_id], [logprob]
         for i, chunk in enumerate(sampled):
-            if chunk.drafts:  # greedy verification: the model's own token at each of its k+1 positions
-                rows = logits[ends[i] - chunk.num_logits : ends[i]]
-                runs[i] = accept_greedy(chunk.drafts, [int(t) for t in np.argmax(rows, axis=-1)])
+            if chunk.drafts:  # the k+1 rows of a verify chunk
+                run = verify(logits[ends[i] - chunk.num_logits : ends[i]], chunk.request, chunk.drafts)
+                runs[i], logprobs[i] = run.token_ids, run.logprobs
         clock.lap("sample")
         num_before = [c.request.num_output_tokens for c in sampled]
         self.scheduler.update(plan, runs)
         clock.lap("update")
         outputs = []
-        for chunk, n, logprob in zip(sampled, num_before, logprobs, strict=True):
-            new = chunk.request.output_token_ids[n:]
-            outputs.append(self._output(chunk.request, new, [logprob] if logprob is not None and new else []))
+        for chunk, n, run_logprobs in zip(sampled, num_before, logprobs, strict=True):
+            new = chunk.request.output_token_ids[n:]  # a stop inside a run drops the tokens after it
+            kept = [lp for lp in run_logprobs[: len(new)] if lp is not None]
+            outputs.append(self._output(chunk.request, new, kept))
         return outputs
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> None:
@@ -310,6 +335,7 @@ class EngineCore:
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             num_restored_tokens=request.num_restored_tokens,
+            num_accepted_drafts=request.num_accepted_drafts,
             queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
         )
 
@@ -338,6 +364,7 @@ class EngineCore:
             num_generated_tokens=s.num_generated_tokens + num_generated,
             num_draft_tokens=self.scheduler.num_draft_tokens,
             num_accepted_tokens=self.scheduler.num_accepted_tokens,
+            num_verify_steps=self.scheduler.num_verify_steps,
             num_steps=s.num_steps + (plan is not None),
             num_failed_steps=self.num_failed_steps,
             last_step_seconds=clock.total if clock else s.last_step_seconds,

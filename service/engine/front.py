@@ -121,7 +121,13 @@ class Engine:
                 if finish is not None:
                     finished = True
                     text += detok.flush()
-                    usage = Usage(request.num_prompt_tokens, num_tokens, out.num_cached_tokens, out.num_restored_tokens)
+                    usage = Usage(
+                        request.num_prompt_tokens,
+                        num_tokens,
+                        out.num_cached_tokens,
+                        out.num_restored_tokens,
+                        out.num_accepted_drafts,
+                    )
                     timings = _timings(request.arrival_time, out.queue_seconds, first_token_time)
                 yield RequestOutput(
                     request.label, tuple(out.token_ids), text, tuple(out.logprobs), finish, usage, timings
