@@ -25,6 +25,7 @@ from service.engine import Engine
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
 from service.http import HttpServer
 from service.metrics import Metrics, TokenClock
+from service.request_log import request_record
 from service.wire import (
     SERVICE_NAME,
     generation_handler,
@@ -199,15 +200,7 @@ class _Rpc:
     def _log(self, code: grpc.StatusCode, seconds: float, exc: BaseException | None) -> None:
         if self.request_id is None and code is grpc.StatusCode.OK:
             return
-        extra: dict[str, Any] = {"protocol": "grpc", "rpc": self.rpc, "code": code.name, "seconds": round(seconds, 4)}
-        if self.request_id is not None:
-            extra["request_id"] = self.request_id
-        if self.session_id is not None:
-            extra["session_id"] = self.session_id
-        if self.output is not None and self.output.usage is not None:
-            extra["prompt_tokens"] = self.output.usage.prompt_tokens
-            extra["completion_tokens"] = self.output.usage.completion_tokens
-            extra["cached_prompt_tokens"] = self.output.usage.cached_prompt_tokens
+        extra = request_record("grpc", self.rpc, code.name, seconds, self.request_id, self.session_id, self.output)
         if code is grpc.StatusCode.INTERNAL:
             log.error("request failed", extra=extra, exc_info=exc)
         elif exc is not None and code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):

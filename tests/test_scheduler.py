@@ -205,12 +205,18 @@ def digests_of(s: Scheduler, r: Request) -> list[bytes]:
     return s.kv.full_block_digests(-1 - r.id, r.prompt_token_ids, r.cache_salt)
 
 
-def test_a_prefix_on_disk_is_loaded_then_computed_from_there():
+def queued_with_three_blocks_on_disk() -> tuple[Scheduler, Request]:
+    """A scheduler with a disk tier, and a queued 18-token request whose first 3 blocks are on disk."""
     disk = FakeDisk()
     s = with_disk(disk)
     r = request("a", 18)
-    disk.digests.update(digests_of(s, r)[:3])  # blocks 0-2 of 4 full ones are on disk
+    disk.digests.update(digests_of(s, r)[:3])
     s.add(r)
+    return s, r
+
+
+def test_a_prefix_on_disk_is_loaded_then_computed_from_there():
+    s, r = queued_with_three_blocks_on_disk()  # blocks 0-2 of its 4 full ones
     plan = s.schedule()
     assert not plan.chunks and [load.request for load in plan.loads] == [r]
     load = plan.loads[0]
@@ -270,11 +276,7 @@ def test_two_requests_needing_the_same_blocks_load_them_once():
 
 
 def test_a_request_finished_while_loading_frees_its_blocks_when_the_load_ends():
-    disk = FakeDisk()
-    s = with_disk(disk)
-    r = request("a", 18)
-    disk.digests.update(digests_of(s, r)[:3])
-    s.add(r)
+    s, r = queued_with_three_blocks_on_disk()
     s.schedule()
     s.finish(r)  # aborted: the I/O thread may still be writing into its blocks
     assert s.kv.pool.num_free == s.kv.pool.num_blocks - 3 and not s.has_work()
@@ -286,11 +288,7 @@ def test_a_request_finished_while_loading_frees_its_blocks_when_the_load_ends():
 
 
 def test_an_expired_loading_request_is_dropped():
-    disk = FakeDisk()
-    s = with_disk(disk)
-    r = request("a", 18)
-    disk.digests.update(digests_of(s, r)[:3])
-    s.add(r)
+    s, r = queued_with_three_blocks_on_disk()
     assert s.schedule().loads
     r.deadline = time.monotonic()  # expires while loading
     assert s.schedule().expired == [r]

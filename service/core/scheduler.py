@@ -282,6 +282,8 @@ class Scheduler:
             if not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
                 break  # wait for blocks to be freed; first come, first served
             self.waiting.remove(request)
+            if self.disk is not None:  # the RAM hit's disk copies were used too: not the ones to drop first
+                self.disk.touch([b.digest for b in prefix.blocks if b.digest is not None])
             request.num_computed_tokens = prefix.num_tokens
             first = request.first_scheduled_time is None
             if first:
@@ -303,7 +305,6 @@ class Scheduler:
         if self.disk is None:
             return ()
         digests = self.kv.full_block_digests(request.id, request.all_token_ids, request.cache_salt)
-        self.disk.touch(digests[: num_cached // self.kv.block_size])
         wanted = digests[num_cached // self.kv.block_size : (request.num_tokens - 1) // self.kv.block_size]
         if any(d in self._restoring for d in wanted):
             return None

@@ -34,6 +34,7 @@ from service.errors import InvalidArgument
 from service.http import openai, sse
 from service.http.errors import NotFound, TooLarge, Unauthenticated, error_body, status_of
 from service.metrics import Metrics, TokenClock
+from service.request_log import request_record
 from service.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -90,15 +91,7 @@ class Exchange:
         self.metrics.observe_http(self.endpoint, status, seconds, self.output)
         if self.request_id is None and exc is None:
             return  # health probes, model lists: nothing worth a line
-        extra: dict[str, Any] = {"protocol": "http", "rpc": self.endpoint, "code": status, "seconds": round(seconds, 4)}
-        if self.request_id is not None:
-            extra["request_id"] = self.request_id
-        if self.session_id is not None:
-            extra["session_id"] = self.session_id
-        if self.output is not None and self.output.usage is not None:
-            extra["prompt_tokens"] = self.output.usage.prompt_tokens
-            extra["completion_tokens"] = self.output.usage.completion_tokens
-            extra["cached_prompt_tokens"] = self.output.usage.cached_prompt_tokens
+        extra = request_record("http", self.endpoint, status, seconds, self.request_id, self.session_id, self.output)
         if status == 500:
             log.error("request failed", extra=extra, exc_info=exc)
         elif exc is not None:
