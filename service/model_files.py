@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.core.params import SamplingParams
+from service.errors import InvalidArgument
+
 IR_FILE = "openvino_model.xml"
 
 
@@ -70,11 +73,21 @@ class ModelFiles:
         field name; front ends that follow OpenAI's conventions use them for fields a request leaves unset."""
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         config = self.generation_config
-        return {
+        defaults = {
             n: float(config[n])
             for n in names
             if isinstance(config.get(n), int | float) and not isinstance(config[n], bool)
         }
+        # Checked here, once, so that a bad file stops the server at load with its name, rather than every
+        # request that leaves the field unset failing with an error about a field its client never sent.
+        try:
+            if "top_k" in defaults and not defaults["top_k"].is_integer():
+                raise InvalidArgument("top_k", f"must be an integer, got {defaults['top_k']}")
+            typed: dict[str, Any] = {n: int(v) if n == "top_k" else v for n, v in defaults.items()}
+            SamplingParams(**typed).validate(max_new_tokens_limit=SamplingParams.max_new_tokens, vocab_size=1)
+        except InvalidArgument as e:
+            raise ValueError(f"{self.path / 'generation_config.json'}: {e}") from None
+        return defaults
 
     @property
     def context_length(self) -> int | None:

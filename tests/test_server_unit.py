@@ -442,3 +442,15 @@ def test_model_files_read_sampling_defaults(tmp_path):
     config = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True, "min_p": None, "eos_token_id": 2}
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
     assert ModelFiles.read(tmp_path).sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20.0}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", -1), ("top_p", 0), ("top_k", 2.5), ("repetition_penalty", 50)]
+)
+def test_model_files_refuse_out_of_range_sampling_defaults_naming_the_file(tmp_path, field, value):
+    from service.model_files import ModelFiles
+
+    (tmp_path / "openvino_model.xml").write_text("")
+    (tmp_path / "generation_config.json").write_text(json.dumps({field: value}))
+    with pytest.raises(ValueError, match=rf"generation_config\.json: {field}: "):
+        _ = ModelFiles.read(tmp_path).sampling_defaults
