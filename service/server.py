@@ -42,6 +42,8 @@ from service.wire import (
 log = logging.getLogger("service.server")
 
 HEALTH_EXEMPT_PREFIX = f"/{health.SERVICE_NAME}/"
+# How long before its deadline a client cancel still counts as the deadline: the transit delay, generously.
+DEADLINE_SLACK_SECONDS = 0.25
 # The conversation a request belongs to, set by clients for every turn (gRPC metadata; the HTTP header of the
 # same name). Load balancers hash it to send a conversation's turns to the replica holding its KV cache; the
 # server only validates and logs it.
@@ -192,8 +194,10 @@ class _Rpc:
         return False
 
     def _why_cancelled(self) -> grpc.StatusCode:
+        # The client's deadline passes first (the server's clock starts when the call arrives), and its cancel
+        # can arrive before ours fires; a cancel that close to the deadline is the deadline.
         remaining = self.context.time_remaining()
-        if remaining is not None and remaining <= 0.001:
+        if remaining is not None and remaining <= DEADLINE_SLACK_SECONDS:
             return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.CANCELLED
 
