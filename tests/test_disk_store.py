@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.engine.disk_store import HEADER, DiskStore
+from service.engine.disk_store import ABANDONED_AFTER_SECONDS, HEADER, DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
 
 IDENTITY = hashlib.sha256(b"engine").digest()
@@ -259,3 +259,17 @@ def test_idle_blocks_expire_without_any_write(tmp_path):
         time.sleep(0.05)
     assert not list(tmp_path.rglob("*.kvb")) and tier.store.num_blocks == 0
     tier.close(5)
+
+
+def test_folders_of_other_engines_are_removed_once_abandoned(tmp_path):
+    other, recent = hashlib.sha256(b"old model").digest(), hashlib.sha256(b"other live model").digest()
+    old_store, live_store = opened(tmp_path, identity=other), opened(tmp_path, identity=recent)
+    for store in (old_store, live_store):
+        store.write(digest(1), b"x" * 100)
+    long_ago = time.time() - ABANDONED_AFTER_SECONDS - 60
+    for f in [*old_store.folder.iterdir(), old_store.folder]:
+        os.utime(f, (long_ago, long_ago))
+    (tmp_path / "notes").mkdir()  # not an identity folder: never touched
+    opened(tmp_path)
+    assert not old_store.folder.exists()
+    assert (live_store.folder / (digest(1).hex() + ".kvb")).exists() and (tmp_path / "notes").exists()

@@ -39,6 +39,10 @@ HEADER = struct.Struct("<8sI32s32sQI")
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
+IDENTITY_FOLDER = re.compile(r"[0-9a-f]{32}")
+# A folder of another engine identity (an older model or settings) that nothing has written or restored
+# from for this long is removed at start, so that upgrades do not fill the disk with blocks no engine can use.
+ABANDONED_AFTER_SECONDS = 7 * 24 * 3600
 
 
 @dataclass
@@ -94,6 +98,7 @@ class DiskStore:
                 self._index[digest] = Entry(size, mtime)
                 self._bytes += size
         self.evict(0)
+        self.remove_abandoned_folders()
         log.info(
             "kv disk tier: %d blocks (%.1f MiB) found in %s in %.3f s",
             len(self._index),
@@ -101,6 +106,26 @@ class DiskStore:
             self.folder,
             time.perf_counter() - start,
         )
+
+    def remove_abandoned_folders(self) -> None:
+        """Remove the folders of other engine identities whose newest block is older than
+        ABANDONED_AFTER_SECONDS (or the TTL, when shorter). A folder an engine still uses has recent files."""
+        horizon = time.time() - min(ABANDONED_AFTER_SECONDS, self.ttl_seconds or ABANDONED_AFTER_SECONDS)
+        for folder in self.folder.parent.iterdir():
+            if folder == self.folder or not IDENTITY_FOLDER.fullmatch(folder.name) or folder.is_symlink():
+                continue
+            with contextlib.suppress(OSError):
+                files = [f for f in folder.iterdir() if _digest_of(f.name) or f.name.endswith(TEMP_SUFFIX)]
+                # the folder's own time covers one just created, and files just written or removed
+                if all(f.lstat().st_mtime < horizon for f in [folder, *files]):
+                    for f in files:
+                        _remove(f)
+                    folder.rmdir()  # fails, and so keeps it, if anything else is inside
+                    log.info(
+                        "kv disk tier: removed %s: no block of it used for %.0f h",
+                        folder,
+                        (time.time() - horizon) / 3600,
+                    )
 
     # -- queries -----------------------------------------------------------------------------------------
     def __contains__(self, digest: bytes) -> bool:
