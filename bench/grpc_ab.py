@@ -33,10 +33,13 @@ from bench import grpc_load, run, workers
 class LoadClient:
     """The load generator in its own low-priority process, driven over its stdin and stdout, one JSON line each."""
 
-    def __init__(self, port: int, server_pid: int, prompts: list[list[int]], idle: bool) -> None:
+    def __init__(
+        self, port: int | str, server_pid: int, prompts: list[list[int]], idle: bool, module: str = "bench.grpc_ab"
+    ) -> None:
+        """`python -m MODULE --client PORT` is the load generator: bench.http_ab passes "GRPC,HTTP" ports."""
         self.server_pid = server_pid
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.grpc_ab", "--client", str(port)],
+            [sys.executable, "-m", module, "--client", str(port)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -47,8 +50,8 @@ class LoadClient:
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self._send({"prompts": prompts})
 
-    def burst(self, concurrency: int, max_new: int) -> dict:
-        self._send({"concurrency": concurrency, "max_new_tokens": max_new})
+    def burst(self, concurrency: int, max_new: int, **extra: str) -> dict:
+        self._send({"concurrency": concurrency, "max_new_tokens": max_new, **extra})
         line = self.stdout.readline()
         if not line:
             raise RuntimeError("the load generator exited")
@@ -164,14 +167,24 @@ def summarize(pairs: list[dict]) -> dict:
 def _one(kind: str, engine, client: LoadClient, ids: list[list[int]], c: int, max_new: int) -> dict:
     time.sleep(0.2)  # let the previous run's stragglers settle
     if kind == "inproc":
-        cpu = _own_cpu()
-        r = asyncio.run(workers.ours_batch(engine, workers.take(ids, c), max_new))
-        n = r["output_tokens"]
-        return {"tokens_per_s": n / r["wall_s"], "cpu_s_per_token": (_own_cpu() - cpu) / n}
+        return inproc_burst(engine, ids, c, max_new)
+    return served_burst(client, c, max_new)
+
+
+def inproc_burst(engine, ids: list[list[int]], c: int, max_new: int) -> dict:
+    """One burst on the engine in this process: tokens/s and this process's CPU per generated token."""
+    cpu = _own_cpu()
+    r = asyncio.run(workers.ours_batch(engine, workers.take(ids, c), max_new))
+    n = r["output_tokens"]
+    return {"tokens_per_s": n / r["wall_s"], "cpu_s_per_token": (_own_cpu() - cpu) / n}
+
+
+def served_burst(client: LoadClient, c: int, max_new: int, protocol: str = "grpc") -> dict:
+    """One burst through the server: tokens/s, and the server's and load generator's CPU per token."""
     server, load = grpc_load.proc_cpu(client.server_pid), grpc_load.proc_cpu(client.proc.pid)
-    r = client.burst(c, max_new)
+    r = client.burst(c, max_new, protocol=protocol)
     if r["errors"]:
-        raise RuntimeError(f"gRPC errors: {r['errors']}")
+        raise RuntimeError(f"{protocol} errors: {r['errors']}")
     n = r["output_tokens"]
     return {
         "tokens_per_s": r["tokens_per_s"],

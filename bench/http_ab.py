@@ -1,12 +1,17 @@
-"""python -m bench.http_ab MODEL: what the HTTP front costs against gRPC, on one server process.
+"""python -m bench.http_ab MODEL: what the HTTP front costs, against gRPC and against the engine in-process.
 
-One `python -m service` serves both fronts on one engine; a load generator in its own low-priority process
-(SCHED_IDLE, as in bench.grpc_ab: a remote client's CPU is not the server's) sends the same bursts of
-streamed requests (the same prompt token ids, ignore_eos, the same number of new tokens) over gRPC and over
-HTTP (/v1/completions with SSE), alternating which goes first. Throughput ratios are per pair, then the
-median; the server's CPU seconds per generated token give a second view of each front's cost that the
-machine's background load moves less. Prefix caching is off (server_flags), so every prompt is computed.
-The gRPC-versus-in-process figure is bench.grpc_ab's.
+The method of bench.grpc_ab, with one more side: this process holds an in-process engine, `python -m
+service` (same budget, prefix caching off so every prompt is computed) serves both fronts on one engine, and a
+load-generator subprocess sends the same bursts of streamed requests (the same prompt token ids, ignore_eos,
+the same number of new tokens) over gRPC and over HTTP (/v1/completions with SSE). Each round runs one burst
+of each kind, the order rotated; ratios are per round, then the median.
+
+The load generator runs at normal priority by default, unlike bench.grpc_ab's: a Python HTTP client (httpx,
+one SSE line parsed per token) needs several times the CPU of gRPC's C-core client, so at SCHED_IDLE it is
+starved while the inference threads hold both cores, reads late, and the figure measures the client, not
+the server (0.40x of gRPC at 32 streams that way, against 1.0x with a client that keeps up). At normal
+priority the client's CPU competes with inference for both protocols, which on a 2-core machine costs HTTP
+its heavier client; the CPU per token of the server and of the load generator, each recorded, separates the two.
 """
 
 from __future__ import annotations
@@ -14,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +26,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from bench import grpc_load, run, workers
+from bench import grpc_ab, grpc_load, run, workers
 
 
 class HttpClient:
@@ -39,7 +42,8 @@ class HttpClient:
         await self.http.aclose()
 
     async def one(self, ids: list[int], max_new: int) -> grpc_load.Sample:
-        body = {"prompt": ids, "max_tokens": max_new, "ignore_eos": True, "stream": True}
+        # greedy, as the gRPC side and the in-process engine run (OpenAI's default would sample at temperature 1)
+        body = {"prompt": ids, "max_tokens": max_new, "ignore_eos": True, "stream": True, "temperature": 0}
         body["stream_options"] = {"include_usage": True}
         s = grpc_load.Sample(time.perf_counter(), prompt_tokens=len(ids))
         async with self.http.stream("POST", "/v1/completions", json=body) as response:
@@ -83,71 +87,80 @@ def client_main(grpc_port: int, http_port: int) -> int:
     return 0
 
 
-def measure(model: Path, concurrency: list[int], repeats: int, max_new: int) -> dict:
+def measure(model: Path, concurrency: list[int], repeats: int, max_new: int, idle_client: bool) -> dict:
     ids, _ = run.tokenize(model, run.load_prompts())
+    engine = workers.our_engine({"model": str(model), "budget": workers.budget_dict(workers.BUDGET)}, False)
     grpc_port, http_port = grpc_load.free_port(), grpc_load.free_port()
-    flags = [*grpc_load.server_flags(workers.BUDGET), f"--http-port={http_port}"]  # the last --http-port wins
+    flags = [*grpc_load.server_flags(engine.config), f"--http-port={http_port}"]  # the last --http-port wins
     log_path = Path(tempfile.gettempdir()) / f"http-ab-server-{grpc_port}.log"
-    result: dict = {"model": str(model), "max_new_tokens": max_new, "runs": {}}
-    with grpc_load.server(str(model), grpc_port, extra=flags, log_path=log_path) as server:
-        load = subprocess.Popen(
-            [sys.executable, "-m", "bench.http_ab", "--client", f"{grpc_port},{http_port}"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=run.ROOT,
-            preexec_fn=lambda: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)),
-        )
-        assert load.stdin is not None and load.stdout is not None  # both piped
-        commands, answers = load.stdin, load.stdout
-
-        def burst(protocol: str, c: int) -> dict:
-            time.sleep(0.2)  # let the previous run's stragglers settle
-            cpu = grpc_load.proc_cpu(server.pid)
-            commands.write(json.dumps({"protocol": protocol, "concurrency": c, "max_new_tokens": max_new}) + "\n")
-            commands.flush()
-            r = json.loads(answers.readline())
-            if r["errors"]:
-                raise RuntimeError(f"{protocol} errors: {r['errors']}")
-            return {
-                "tokens_per_s": r["tokens_per_s"],
-                "server_cpu_s_per_token": (grpc_load.proc_cpu(server.pid) - cpu) / r["output_tokens"],
-            }
-
-        try:
-            commands.write(json.dumps({"prompts": ids}) + "\n")
-            for c in concurrency:
-                pairs = []
-                for i in range(repeats):
-                    order = ("grpc", "http") if i % 2 == 0 else ("http", "grpc")
-                    pairs.append({p: burst(p, c) for p in order})
-                summary = {
-                    "grpc_tokens_per_s": median(p["grpc"]["tokens_per_s"] for p in pairs),
-                    "http_tokens_per_s": median(p["http"]["tokens_per_s"] for p in pairs),
-                    "http_over_grpc": median(p["http"]["tokens_per_s"] / p["grpc"]["tokens_per_s"] for p in pairs),
-                    "grpc_server_cpu_ms_per_token": 1000 * median(p["grpc"]["server_cpu_s_per_token"] for p in pairs),
-                    "http_server_cpu_ms_per_token": 1000 * median(p["http"]["server_cpu_s_per_token"] for p in pairs),
-                }
-                result["runs"][str(c)] = {"pairs": pairs, **summary}
-                print(
-                    f"c={c}: gRPC {summary['grpc_tokens_per_s']:.1f} tok/s, HTTP {summary['http_tokens_per_s']:.1f} "
-                    f"tok/s, HTTP/gRPC {summary['http_over_grpc']:.3f} (median of {repeats} pairs); server CPU per "
-                    f"token {summary['grpc_server_cpu_ms_per_token']:.2f} ms gRPC, "
-                    f"{summary['http_server_cpu_ms_per_token']:.2f} ms HTTP",
-                    flush=True,
-                )
-        finally:
-            commands.close()
-            load.wait(timeout=30)
+    result: dict = {"model": str(model), "max_new_tokens": max_new, "client_sched_idle": idle_client, "runs": {}}
+    try:
+        asyncio.run(workers.ours_batch(engine, ids[:2], 8))  # warm-up
+        with grpc_load.server(str(model), grpc_port, extra=flags, log_path=log_path) as server:
+            client = grpc_ab.LoadClient(
+                f"{grpc_port},{http_port}", server.pid, ids, idle_client, module="bench.http_ab"
+            )
+            try:
+                for c in concurrency:
+                    rounds = [_round(i, engine, client, ids, c, max_new) for i in range(repeats)]
+                    summary = summarize(rounds)
+                    result["runs"][str(c)] = {"rounds": rounds, **summary}
+                    print(_line(c, summary, repeats), flush=True)
+            finally:
+                client.close()
+    finally:
+        engine.shutdown()
     return result
+
+
+KINDS = ("inproc", "grpc", "http")
+
+
+def _round(i: int, engine, client: grpc_ab.LoadClient, ids: list[list[int]], c: int, max_new: int) -> dict:
+    """One burst of each kind, the order rotated every round so that none always goes first."""
+    order = KINDS[i % 3 :] + KINDS[: i % 3]
+    out = {}
+    for kind in order:
+        time.sleep(0.2)  # let the previous run's stragglers settle
+        if kind == "inproc":
+            out[kind] = grpc_ab.inproc_burst(engine, ids, c, max_new)
+        else:
+            out[kind] = grpc_ab.served_burst(client, c, max_new, protocol=kind)
+    return out
+
+
+def summarize(rounds: list[dict]) -> dict:
+    def ratio(a: str, b: str) -> float:
+        return median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in rounds)
+
+    def ms(kind: str, key: str) -> float:
+        return 1000 * median(r[kind][key] for r in rounds)
+
+    return {
+        **{f"{k}_tokens_per_s": median(r[k]["tokens_per_s"] for r in rounds) for k in KINDS},
+        "http_over_grpc": ratio("http", "grpc"),
+        "http_over_inproc": ratio("http", "inproc"),
+        "grpc_over_inproc": ratio("grpc", "inproc"),
+        "inproc_cpu_ms_per_token": ms("inproc", "cpu_s_per_token"),
+        **{f"{k}_server_cpu_ms_per_token": ms(k, "cpu_s_per_token") for k in ("grpc", "http")},
+        **{f"{k}_client_cpu_ms_per_token": ms(k, "client_cpu_s_per_token") for k in ("grpc", "http")},
+    }
+
+
+def _line(c: int, s: dict, repeats: int) -> str:
+    tps = ", ".join(f"{k} {s[f'{k}_tokens_per_s']:.1f}" for k in KINDS)
+    ratios = ", ".join(f"{k} {s[k]:.3f}" for k in ("http_over_grpc", "http_over_inproc", "grpc_over_inproc"))
+    cpu = ", ".join(f"{k} {v:.2f}" for k, v in s.items() if k.endswith("_cpu_ms_per_token"))
+    return f"c={c}: tok/s {tps}; medians of {repeats} rounds: {ratios}; {cpu}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.http_ab", description=__doc__)
     p.add_argument("model", nargs="?")
     p.add_argument("--concurrency", default="1,32")
-    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--client-priority", choices=("normal", "idle"), default="normal")
     p.add_argument("--out", help="write the runs as JSON here")
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: be the load generator on GRPC,HTTP ports
     a = p.parse_args(argv)
@@ -156,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return client_main(grpc_port, http_port)
     if not a.model:
         p.error("MODEL is required")
-    result = measure(Path(a.model), [int(c) for c in a.concurrency.split(",")], a.repeats, a.max_new_tokens)
+    concurrency = [int(c) for c in a.concurrency.split(",")]
+    result = measure(Path(a.model), concurrency, a.repeats, a.max_new_tokens, a.client_priority == "idle")
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
     return 0
