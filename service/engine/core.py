@@ -16,6 +16,7 @@ import queue
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ from service.model_files import ModelFiles
 from service.runner import ModelRunner, StepInput
 
 log = logging.getLogger(__name__)
+
+MASK_TIMES_KEPT = 10_000
 
 
 @dataclass
@@ -120,6 +123,8 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_failed_steps = 0
+        # seconds spent computing grammar masks, per step that had any: benchmarks read their distribution
+        self.mask_seconds: deque[float] = deque(maxlen=MASK_TIMES_KEPT)
         self.alive = False  # the thread runs and takes requests
 
     # -- any thread ------------------------------------------------------------------------------------
@@ -282,19 +287,26 @@ class EngineCore:
             self.disk_tier.save([(b.digest, b.block_id) for b in blocks if b.digest is not None])
 
     def _run_plan(self, plan: StepPlan, clock: _StageClock) -> list[EngineOutput]:
+        sampled = [c for c in plan.chunks if c.sample]
+        # the grammars' masks depend only on the tokens accepted so far: ready before the logits are
+        masks = [c.request.matcher.masks(c.drafts) if c.request.matcher is not None else None for c in sampled]
+        if any(m is not None for m in masks):
+            clock.lap("mask")
+            self.mask_seconds.append(clock.seconds["mask"])
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
-        sampled = [c for c in plan.chunks if c.sample]
         ends = np.cumsum([c.num_logits for c in sampled], dtype=np.int64)
         plain = [i for i, c in enumerate(sampled) if not c.drafts]
-        result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain])
+        plain_masks = [masks[i] for i in plain] if any(m is not None for m in masks) else []
+        result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain], plain_masks)
         runs: list[list[int]] = [[] for _ in sampled]
         logprobs: list[list[TokenLogprob | None]] = [[] for _ in sampled]
         for i, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
             runs[i], logprobs[i] = [token_id], [logprob]
         for i, chunk in enumerate(sampled):
             if chunk.drafts:  # the k+1 rows of a verify chunk
-                run = verify(logits[ends[i] - chunk.num_logits : ends[i]], chunk.request, chunk.drafts)
+                rows = logits[ends[i] - chunk.num_logits : ends[i]]
+                run = verify(rows, chunk.request, chunk.drafts, masks[i])
                 runs[i], logprobs[i] = run.token_ids, run.logprobs
         clock.lap("sample")
         num_before = [c.request.num_output_tokens for c in sampled]
@@ -378,6 +390,7 @@ class EngineCore:
             execute_seconds_total=s.execute_seconds_total + seconds.get("execute", 0.0),
             sample_seconds_total=s.sample_seconds_total + seconds.get("sample", 0.0),
             update_seconds_total=s.update_seconds_total + seconds.get("update", 0.0),
+            mask_seconds_total=s.mask_seconds_total + seconds.get("mask", 0.0),
             step_seconds_total=s.step_seconds_total + (clock.total if clock else 0.0),
         )
 
