@@ -17,7 +17,7 @@ from service.core.grammar import ResponseFormat
 from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, ToolCallDelta, Usage
 from service.core.params import SamplingParams
 from service.core.stats import ModelInfo
-from service.core.tools import Mode, Tool, ToolChoice, Tools
+from service.core.tools import Mode, Tool, ToolChoice, Tools, template_call
 from service.errors import InvalidArgument
 from service.tokenizer import Tokenizer
 
@@ -118,18 +118,6 @@ def chat_messages(messages: Iterable[pb.ChatMessage]) -> list[dict[str, Any]]:
             ]
         out.append(message)
     return out
-
-
-def template_call(call_id: str, name: str, arguments: str, where: str) -> dict[str, Any]:
-    """An earlier tool call as chat templates take it: OpenAI's shape, arguments parsed (templates write them
-    back as JSON in the model's own style)."""
-    try:
-        parsed_arguments = json.loads(arguments or "{}")
-    except ValueError:
-        raise InvalidArgument(f"{where}.arguments", "must be a JSON object") from None
-    if not isinstance(parsed_arguments, dict):
-        raise InvalidArgument(f"{where}.arguments", "must be a JSON object")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed_arguments}}
 
 
 def encode_chat(tokenizer: Tokenizer, messages: Sequence[pb.ChatMessage], tools: Tools | None = None) -> list[int]:

@@ -46,7 +46,8 @@ class Tool:
     def rendered(self) -> dict[str, Any]:
         """As chat templates take a tool (OpenAI's shape)."""
         function: dict[str, Any] = {"name": self.name, "description": self.description}
-        function["parameters"] = self.parameters if self.parameters is not None else {"type": "object"}
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 
@@ -102,6 +103,18 @@ class Tools:
             "TEXT: /(?s:.+)/",  # any text; special tokens (the call's opening one among them) are not text
         ]
         return ResponseFormat(Kind.LARK, "\n".join(rules) + "\n", "tools")
+
+
+def template_call(call_id: str, name: str, arguments: str, where: str) -> dict[str, Any]:
+    """An earlier tool call, sent back in a conversation, as chat templates take it: OpenAI's shape with the
+    arguments parsed (templates write them back as JSON in the model's own style). where names it, for errors."""
+    try:
+        parsed = json.loads(arguments or "{}")
+    except (ValueError, RecursionError):
+        raise InvalidArgument(f"{where}.arguments", "must be a JSON object") from None
+    if not isinstance(parsed, dict):
+        raise InvalidArgument(f"{where}.arguments", "must be a JSON object")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
