@@ -164,7 +164,8 @@ class ReplyParser:
         run: list[int] = []
         for token in token_ids:
             if token == self._open and self._call is None:
-                text += self._text.add(run) + self._text.flush()
+                if not self.num_calls:
+                    text += self._text.add(run) + self._text.flush()
                 self._call, run = _Call(self.num_calls, IncrementalDetokenizer(self._decode)), []
                 self.num_calls += 1
             elif token == self._close and self._call is not None:
@@ -174,7 +175,7 @@ class ReplyParser:
                 run.append(token)
         if self._call is not None:
             deltas += self._call.add(run)
-        else:
+        elif not self.num_calls:  # after the first call only the separators between calls come outside them
             text += self._text.add(run)
         return text, deltas
 
