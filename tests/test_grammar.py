@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from service.core.config import EngineConfig
-from service.core.grammar import CACHE_SIZE, MAX_SPEC_BYTES, GrammarCompiler, ResponseFormat
+from service.core.grammar import CACHE_SIZE, MAX_SPEC_BYTES, GrammarCompiler, ResponseFormat, allowed
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
@@ -213,3 +213,14 @@ def test_the_scheduler_offers_only_drafts_the_grammar_admits(qwen, tiny_qwen3_ir
     s.proposer = FixedProposer([*good[1:], *forbidden])
     plan = s.schedule()
     assert plan.chunks[0].drafts == tuple(good[1:])  # cut before the first token the grammar forbids
+
+
+def test_a_broken_matcher_reports_its_error_instead_of_raising(qwen, tiny_qwen3_ir):
+    """A matcher that stopped working (here: fed a token outside its grammar, as a grammar limit would stop it)
+    says why through error, and still hands out masks, so the engine fails its request alone."""
+    hf = HFTokenizer.from_file(str(tiny_qwen3_ir / "tokenizer.json"))
+    matcher = qwen.matcher(ResponseFormat.choice(["yes"]))
+    assert matcher.error == ""
+    matcher.advance(hf.token_to_id("no"))
+    assert matcher.error
+    assert set(np.nonzero(allowed(matcher.masks(), VOCAB)[0])[0]) <= set(EOS)  # only eos: the reply can end

@@ -215,3 +215,26 @@ def test_auto_none_and_tool_results_in_the_conversation(tiny):
             model=model, messages=ASK, tools=[{"type": "function", "function": {"name": "a b"}}]
         )
     assert err.value.body["param"] == "tools[0].function.name"
+
+
+def test_the_readme_examples_run(tiny):
+    """The README's structured-output examples, pointed at this server: the curl reply is valid JSON of its
+    schema, the Python example prints a call."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    running, sdk, model = tiny
+    section = (ROOT / "README.md").read_text().split("### Structured output and tool calls", 1)[1].split("\n### ")[0]
+    port = str(running.server.http.port)
+    (curl,) = re.findall(r"```sh\n(.*?)```", section, re.S)
+    result = subprocess.run(["bash", "-c", curl.replace("8000", port)], capture_output=True, text=True, timeout=60)
+    body = json.loads(result.stdout)
+    assert set(json.loads(body["choices"][0]["message"]["content"])) == {"name", "age"}
+    (python,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    result = subprocess.run(
+        [sys.executable, "-c", python.replace("8000", port)], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert result.returncode == 0 and result.stdout.startswith("get_weather {"), result.stderr

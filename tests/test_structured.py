@@ -232,3 +232,45 @@ def test_grammar_with_speculative_decoding(smollm2_ir):
         assert stats.num_draft_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks
     finally:
         running.stop()
+
+
+def test_preempted_constrained_requests_resume_in_their_grammar(tiny_qwen3_fp16_ir):
+    """Preemption recomputes a request's KV but keeps its tokens, and so its place in the grammar: replies of
+    requests preempted mid-way equal those of an engine with room for all, and match the format."""
+    import asyncio
+    import re
+
+    from service.core.grammar import ResponseFormat
+    from service.core.params import SamplingParams
+    from service.engine import Engine, EngineConfig
+    from tests.test_engine import PRECISION, assert_no_blocks_held, collect, prompts
+
+    fmt = ResponseFormat.regex("[a-z ]{80}")
+    params = SamplingParams(max_new_tokens=120)
+    ps = [p[:60] + [7] * max(0, 60 - len(p)) for p in prompts(4, seed=3)]
+
+    def replies(kv_blocks: int | None) -> tuple[list[str], int]:
+        probe = EngineConfig(kv_cache_gb=0.05, kv_cache_precision=PRECISION, max_num_batched_tokens=64)
+        if kv_blocks is not None:
+            big = Engine(tiny_qwen3_fp16_ir, probe)
+            block_bytes = big.info.kv_cache_bytes / big.info.num_kv_blocks
+            probe = EngineConfig(
+                kv_cache_gb=kv_blocks * block_bytes / 2**30, kv_cache_precision=PRECISION, max_num_batched_tokens=64
+            )
+        engine = Engine(tiny_qwen3_fp16_ir, probe)
+        engine.start()
+        try:
+
+            async def main():
+                return await asyncio.gather(*(collect(engine, p, params, response_format=fmt) for p in ps))
+
+            texts = [text for _, text, _ in asyncio.run(main())]
+            assert_no_blocks_held(engine)
+            return texts, engine.stats().num_preemptions
+        finally:
+            engine.shutdown()
+
+    roomy, _ = replies(None)
+    tight, preemptions = replies(8)  # 8 blocks of 32 tokens: four 60-token prompts with replies do not fit
+    assert preemptions > 0 and tight == roomy
+    assert all(re.fullmatch("[a-z ]{80}", text) for text in tight)

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,11 +29,11 @@ from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
 from service.core.sampler import sample, verify
-from service.core.scheduler import Scheduler, StepPlan
+from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
-from service.errors import DeadlineExceeded, EngineFailure, ServiceError, Unavailable
+from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
 from service.model_files import ModelFiles
 from service.runner import ModelRunner, StepInput
 
@@ -125,6 +126,7 @@ class EngineCore:
         self.num_failed_steps = 0
         # seconds spent computing grammar masks, per step that had any: benchmarks read their distribution
         self.mask_seconds: deque[float] = deque(maxlen=MASK_TIMES_KEPT)
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.alive = False  # the thread runs and takes requests
 
     # -- any thread ------------------------------------------------------------------------------------
@@ -169,6 +171,7 @@ class EngineCore:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._grammar_thread.shutdown(wait=False)
         self.alive = False
         if self.disk_tier is not None:  # blocks filled before the stop reach the disk: a restart finds them
             self.disk_tier.close(timeout=30)
@@ -288,13 +291,17 @@ class EngineCore:
 
     def _run_plan(self, plan: StepPlan, clock: _StageClock) -> list[EngineOutput]:
         sampled = [c for c in plan.chunks if c.sample]
-        # the grammars' masks depend only on the tokens accepted so far: ready before the logits are
-        masks = [c.request.matcher.masks(c.drafts) if c.request.matcher is not None else None for c in sampled]
-        if any(m is not None for m in masks):
-            clock.lap("mask")
-            self.mask_seconds.append(clock.seconds["mask"])
+        # The grammars' masks depend only on the tokens accepted so far, so they are computed while the model
+        # runs, on the grammar thread (both release the GIL); the engine thread takes the matchers back with
+        # the result and is their only user otherwise.
+        constrained = [c for c in sampled if c.request.matcher is not None]
+        pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
+        by_id = pending.result() if pending is not None else {}
+        if pending is not None:
+            clock.lap("mask")  # the masks' time beyond the model's: what they add to the step
+        masks = [by_id.get(c.request.id) for c in sampled]
         ends = np.cumsum([c.num_logits for c in sampled], dtype=np.int64)
         plain = [i for i, c in enumerate(sampled) if not c.drafts]
         plain_masks = [masks[i] for i in plain] if any(m is not None for m in masks) else []
@@ -314,10 +321,31 @@ class EngineCore:
         clock.lap("update")
         outputs = []
         for chunk, n, run_logprobs in zip(sampled, num_before, logprobs, strict=True):
+            matcher = chunk.request.matcher
+            if matcher is not None and matcher.error:
+                outputs.append(self._grammar_failed(chunk.request, matcher.error))
+                continue
             new = chunk.request.output_token_ids[n:]  # a stop inside a run drops the tokens after it
             kept = [lp for lp in run_logprobs[: len(new)] if lp is not None]
             outputs.append(self._output(chunk.request, new, kept))
         return outputs
+
+    def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
+        """On the grammar thread: each constrained chunk's masks, by request id."""
+        start = time.perf_counter()
+        masks = {}
+        for c in chunks:
+            assert c.request.matcher is not None
+            masks[c.request.id] = c.request.matcher.masks(c.drafts)
+        self.mask_seconds.append(time.perf_counter() - start)
+        return masks
+
+    def _grammar_failed(self, request: Request, error: str) -> EngineOutput:
+        """A grammar that hit one of its limits (an extreme schema) ends its own request with an error, and
+        nothing else (the matcher then admits only eos, so the engine saw no invalid token)."""
+        log.warning("request %d: its grammar failed: %s", request.id, error)
+        self.scheduler.finish(request)
+        return self._error(request, InvalidArgument("response_format", f"the grammar failed mid-reply: {error}"))
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> None:
         log.error("engine step failed; failing its %d requests", len(requests), exc_info=exc)
