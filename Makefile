@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-kv-disk bench-ab bench-4b bench-llamacpp bench-replicas clean
+.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-structured bench-kv-disk bench-ab bench-4b bench-llamacpp bench-replicas clean
 
 install: $(STAMP)
 
@@ -72,6 +72,10 @@ bench-memory: $(STAMP) $(MODEL)/manifest.json
 # Speculative decoding (prompt lookup) at one stream: ovserve and genai, each with and without, interleaved.
 bench-speculative: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8 --out bench/results-speculative/results.json
+
+# Decoding under a JSON schema against plain decoding at 1 and 32 streams, and the grammar mask's time per step.
+bench-structured: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.structured $(MODEL) --streams 1,32 --out bench/results-structured/results.json
 
 # The prefix cache's disk tier: TTFT of a returning conversation (history in RAM, restored from disk,
 # recomputed) and a many-users run, against the engine without the tier and genai's prefix caching.

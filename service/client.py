@@ -34,13 +34,16 @@ from service.wire import SAMPLING_FIELDS as OPTIONS
 
 
 def build_request(
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
     prompt: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     request_id: str | None = None,
     cache_salt: str | None = None,
+    response_format: pb.ResponseFormat | None = None,
+    tools: Sequence[pb.Tool] = (),
+    tool_choice: pb.ToolChoice | None = None,
     **options,
 ) -> pb.GenerateRequest:
     unknown = set(options) - set(OPTIONS)
@@ -56,12 +59,30 @@ def build_request(
     if cache_salt is not None:
         request.cache_salt = cache_salt
     if messages is not None:
-        request.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        request.messages.extend(chat_message(m) for m in messages)
+    if response_format is not None:
+        request.response_format.CopyFrom(response_format)
+    request.tools.extend(tools)
+    if tool_choice is not None:
+        request.tool_choice.CopyFrom(tool_choice)
     if prompt is not None:
         request.prompt = prompt
     if prompt_token_ids is not None:
         request.prompt_token_ids.extend(prompt_token_ids)
     return request
+
+
+def chat_message(m: dict[str, Any]) -> pb.ChatMessage:
+    """A chat turn from a dict: role and content, and for tool use tool_call_id, name and tool_calls (each a
+    dict of id, name and arguments)."""
+    calls = [pb.ToolCall(index=i, **c) for i, c in enumerate(m.get("tool_calls") or ())]
+    return pb.ChatMessage(
+        role=m["role"],
+        content=m.get("content") or "",
+        tool_call_id=m.get("tool_call_id", ""),
+        name=m.get("name", ""),
+        tool_calls=calls,
+    )
 
 
 SESSION_KEY = "x-session-id"  # the metadata key load balancers hash on (service/core/request.py checks it)
@@ -234,15 +255,15 @@ class Client:
         )
         return _Stream(call)
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], **request) -> Iterator[str]:
+    def stream_chat(self, messages: Sequence[dict[str, Any]], **request) -> Iterator[str]:
         """Text deltas of the assistant's reply to messages."""
         for chunk in self.stream(messages=messages, **request):
             yield chunk.text
 
     def tokenize(
-        self, text: str | None = None, messages: Sequence[dict[str, str]] | None = None, timeout: float | None = None
+        self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, timeout: float | None = None
     ) -> list[int]:
-        request = pb.TokenizeRequest(messages=[pb.ChatMessage(**m) for m in messages or ()])
+        request = pb.TokenizeRequest(messages=[chat_message(m) for m in messages or ()])
         if text is not None:
             request.text = text
         return list(self.stub.Tokenize(request, timeout=self._timeout(timeout), metadata=self.metadata).token_ids)

@@ -33,9 +33,11 @@ from service.wire import (
     parsed,
     prompt_input,
     request_label,
+    response_format,
     sampling_params,
     stream_response,
     tokenize_ids,
+    tools,
     unary_response,
 )
 
@@ -149,9 +151,17 @@ class GenerationServicer:
                 engine = state.require_engine()
                 ids, field = prompt_input(engine.tokenizer, request)
                 params = sampling_params(request)
+                structure, calls = response_format(request), tools(request)
                 clock = TokenClock(state.metrics, started)
                 stream = engine.generate(
-                    ids, params, label, context.time_remaining(), prompt_field=field, cache_salt=request.cache_salt
+                    ids,
+                    params,
+                    label,
+                    context.time_remaining(),
+                    prompt_field=field,
+                    cache_salt=request.cache_salt,
+                    response_format=structure,
+                    tools=calls,
                 )
                 try:
                     async for out in stream:

@@ -6,6 +6,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
@@ -18,7 +19,8 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, chat_template: Path | None = None) -> None:
+        """chat_template: a Jinja file that replaces the model's own template."""
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         # The same vocabulary, but special-token strings in the input are plain text: for message contents.
         self._plain = HFTokenizer.from_str(self._tok.to_str())
@@ -29,6 +31,9 @@ class Tokenizer:
         config = read_json(model_dir / "tokenizer_config.json")
         template_file = model_dir / "chat_template.jinja"
         template = template_file.read_text() if template_file.exists() else config.get("chat_template")
+        if chat_template is not None:
+            template = chat_template.read_text()
+        self._template_source: str | None = template
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
         self._template = _compile_template(template) if template else None
         # Chat templates usually write the BOS token themselves; raw prompts get what the tokenizer adds.
@@ -44,8 +49,16 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
-        """Render chat messages into the prompt text, ending with the assistant's turn opener."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows tools to the model (it reads the `tools` variable)."""
+        return self._template_source is not None and "tools" in self._template_source
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """Render chat messages (and the tools the reply may call, in OpenAI's shape) into the prompt text,
+        ending with the assistant's turn opener."""
         if not messages:
             raise InvalidArgument("messages", "must contain at least one message")
         for i, m in enumerate(messages):
@@ -55,9 +68,17 @@ class Tokenizer:
                 )
         if self._template is None:
             raise InvalidArgument("messages", "this model has no chat template; send a raw prompt instead")
-        return self._template.render(messages=list(messages), add_generation_prompt=True, **self._special)
+        if tools and not self.renders_tools:
+            raise InvalidArgument(
+                "tools", "this model's chat template does not render tools (serve it with a --chat-template that does)"
+            )
+        return self._template.render(
+            messages=list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, **self._special
+        )
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of the rendered conversation. Special tokens come from the template only: a message
         whose content spells one (say `<|im_end|>`) gets it as plain text, so no message can end its turn
         early or open a turn of another role."""
@@ -65,12 +86,14 @@ class Tokenizer:
         add_bos = not self._template_has_bos
         spelled = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self._special_texts)]
         if not spelled:
-            return self.encode(self.apply_chat_template(messages), add_special_tokens=add_bos)
+            return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=add_bos)
         # Render with a unique stand-in for each such content, so that its place in the text is known exactly
         # (searching for the content itself could find the template's own text), then encode the template's
         # parts with special tokens and the contents as plain text.
         marks = {i: f"ovserve-content-{uuid.uuid4().hex}" for i in spelled}
-        text = self.apply_chat_template([{**m, "content": marks.get(i, m["content"])} for i, m in enumerate(messages)])
+        text = self.apply_chat_template(
+            [{**m, "content": marks.get(i, m["content"])} for i, m in enumerate(messages)], tools
+        )
         ids: list[int] = []
         cursor = 0
         for i in spelled:

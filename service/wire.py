@@ -5,6 +5,7 @@ never sees them. The client (service/client.py) reads SAMPLING_FIELDS from here 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -12,16 +13,18 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
-from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, Usage
+from service.core.grammar import ResponseFormat
+from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, ToolCallDelta, Usage
 from service.core.params import SamplingParams
 from service.core.stats import ModelInfo
+from service.core.tools import Mode, Tool, ToolChoice, Tools, template_call
 from service.errors import InvalidArgument
 from service.tokenizer import Tokenizer
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt")
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto SamplingParams; unset ones keep
 # the server's defaults.
@@ -33,6 +36,13 @@ FINISH_REASON_PB = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS,
+}
+TOOL_CHOICE_MODES = {
+    pb.ToolChoice.MODE_UNSPECIFIED: Mode.AUTO,
+    pb.ToolChoice.MODE_AUTO: Mode.AUTO,
+    pb.ToolChoice.MODE_NONE: Mode.NONE,
+    pb.ToolChoice.MODE_REQUIRED: Mode.REQUIRED,
 }
 
 
@@ -92,14 +102,75 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     return SamplingParams(**fields, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids))
 
 
-def chat_messages(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def chat_messages(messages: Iterable[pb.ChatMessage]) -> list[dict[str, Any]]:
+    """As chat templates take them: role and content, and the fields of tool use where set."""
+    out = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [
+                template_call(c.id, c.name, c.arguments, f"messages[{i}].tool_calls[{j}]")
+                for j, c in enumerate(m.tool_calls)
+            ]
+        out.append(message)
+    return out
 
 
-def encode_chat(tokenizer: Tokenizer, messages: Sequence[pb.ChatMessage]) -> list[int]:
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[pb.ChatMessage], tools: Tools | None = None) -> list[int]:
     if not messages:
         raise InvalidArgument("messages", "must contain at least one message")
-    return tokenizer.encode_chat(chat_messages(messages))
+    shown = [t.rendered() for t in tools.tools] if tools is not None and tools.active else None
+    return tokenizer.encode_chat(chat_messages(messages), shown)
+
+
+def response_format(request: pb.GenerateRequest) -> ResponseFormat | None:
+    if not request.HasField("response_format"):
+        return None
+    rf = request.response_format
+    kind = rf.WhichOneof("format")
+    if kind == "json_schema":
+        return ResponseFormat.json_schema(rf.json_schema.schema)
+    if kind == "json_object":
+        if not rf.json_object:
+            raise InvalidArgument("response_format.json_object", "must be true when set")
+        return ResponseFormat.json_object()
+    if kind == "regex":
+        return ResponseFormat.regex(rf.regex)
+    if kind == "choice":
+        return ResponseFormat.choice(list(rf.choice.options))
+    raise InvalidArgument("response_format", "set one of json_schema, json_object, regex or choice")
+
+
+def tools(request: pb.GenerateRequest) -> Tools | None:
+    if not request.tools and not request.HasField("tool_choice"):
+        return None
+    tools = []
+    for i, t in enumerate(request.tools):
+        parameters = None
+        if t.HasField("parameters"):
+            parameters = json_object(t.parameters, f"tools[{i}].parameters")
+        tools.append(Tool(t.name, t.description, parameters))
+    c = request.tool_choice
+    mode = Mode.NAMED if c.HasField("function") else TOOL_CHOICE_MODES.get(c.mode)
+    if mode is None:
+        raise InvalidArgument("tool_choice.mode", f"unknown mode {c.mode}")
+    parallel = c.parallel if c.HasField("parallel") else True
+    choice = ToolChoice(mode, c.function if c.HasField("function") else None, parallel)
+    return Tools(tuple(tools), choice)
+
+
+def json_object(text: str, field: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArgument(field, f"not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(field, "must be a JSON object")
+    return value
 
 
 def encode_text(tokenizer: Tokenizer, text: str, field: str) -> list[int]:
@@ -126,8 +197,11 @@ def prompt_input(tokenizer: Tokenizer, request: pb.GenerateRequest) -> tuple[lis
         raise InvalidArgument(
             "input", "set exactly one of messages, prompt or prompt_token_ids (messages and ids must be non-empty)"
         )
+    calls = tools(request)
     if given[0] == "messages":
-        return encode_chat(tokenizer, request.messages), "messages"
+        return encode_chat(tokenizer, request.messages, calls), "messages"
+    if calls is not None and calls.active:
+        raise InvalidArgument("tools", "need messages as the input: the chat template shows them to the model")
     if given[0] == "prompt":
         return encode_text(tokenizer, request.prompt, "prompt"), "prompt"
     return list(request.prompt_token_ids), "prompt_token_ids"
@@ -172,6 +246,20 @@ def logprobs_pb(logprobs: Iterable[TokenLogprob]) -> list[pb.TokenLogprob]:
     ]
 
 
+def tool_calls_pb(deltas: Iterable[ToolCallDelta]) -> list[pb.ToolCall]:
+    return [pb.ToolCall(index=d.index, id=d.id, name=d.name, arguments=d.arguments) for d in deltas]
+
+
+def whole_calls(deltas: Iterable[ToolCallDelta]) -> list[pb.ToolCall]:
+    """The increments of a reply's calls joined into one ToolCall per index."""
+    calls: dict[int, pb.ToolCall] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, pb.ToolCall(index=d.index))
+        call.id, call.name = call.id or d.id, call.name or d.name
+        call.arguments += d.arguments
+    return list(calls.values())
+
+
 def final_fields(out: RequestOutput) -> dict[str, Any]:
     """finish_reason, usage and timings of the last output; nothing for the others."""
     if out.finish_reason is None:
@@ -190,6 +278,7 @@ def stream_response(out: RequestOutput) -> pb.GenerateStreamResponse:
         text=out.text,
         token_ids=out.token_ids,
         logprobs=logprobs_pb(out.logprobs),
+        tool_calls=tool_calls_pb(out.tool_calls),
         **final_fields(out),
     )
 
@@ -202,6 +291,7 @@ def unary_response(outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
         text="".join(o.text for o in outputs),
         token_ids=[t for o in outputs for t in o.token_ids],
         logprobs=logprobs_pb(lp for o in outputs for lp in o.logprobs),
+        tool_calls=whole_calls(d for o in outputs for d in o.tool_calls),
         **final_fields(last),
     )
 

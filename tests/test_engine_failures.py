@@ -52,10 +52,10 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
     elif stage == "sample":
         real_sample = engine_core.sample
 
-        def sample(logits, requests):
+        def sample(logits, requests, *masks):
             if poisoned(requests):
                 raise RuntimeError("injected sampler failure")
-            return real_sample(logits, requests)
+            return real_sample(logits, requests, *masks)
 
         monkeypatch.setattr(engine_core, "sample", sample)
     elif stage == "update":

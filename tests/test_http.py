@@ -123,7 +123,10 @@ def test_logprobs(sdk, model):
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({"n": 2}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": 1}}},
+            "response_format.json_schema.schema",
+        ),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"seed": -1}, "seed"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),

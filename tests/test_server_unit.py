@@ -80,7 +80,7 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return "".join(chr(65 + i % 26) for i in ids)
 
-    def encode_chat(self, messages) -> list[int]:
+    def encode_chat(self, messages, tools=None) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
 
     def apply_chat_template(self, messages) -> str:
@@ -290,7 +290,7 @@ class FakeEngine:
         return EngineStats(num_running=len(self.live), num_total_blocks=4, num_free_blocks=4 - len(self.live))
 
     async def generate(
-        self, ids, params, request_id=None, timeout=None, prompt_field="prompt_token_ids", cache_salt=""
+        self, ids, params, request_id=None, timeout=None, prompt_field="prompt_token_ids", cache_salt="", **structure
     ):
         if ids[0] == 99:
             raise ZeroDivisionError("a bug")

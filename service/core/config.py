@@ -36,6 +36,11 @@ class EngineConfig:
     max_num_seqs: int = setting(32, "requests generated together at most")
     max_num_batched_tokens: int = setting(512, "tokens per engine step at most (prompt chunks and decode tokens)")
     max_model_len: int | None = setting(None, "context limit (default: the model's, capped by what the KV cache holds)")
+    chat_template: str | None = setting(
+        None,
+        "a Jinja chat template file replacing the model's own (templates/qwen3-instruct-2507.jinja: Qwen3's, with "
+        "tool calling)",
+    )
     max_queue: int = setting(256, "requests waiting beyond the running ones before RESOURCE_EXHAUSTED")
     batch_window_ms: float = setting(0.0, "wait this long after an arrival to gather a burst into one step")
     enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")

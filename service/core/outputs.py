@@ -10,6 +10,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller
+    TOOL_CALLS = "tool_calls"  # the reply ended with tool calls (set by the front, which parses them)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,17 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """An increment of the reply's call number index: the first has id and name, later ones a fragment of
+    arguments (the fragments of one index concatenate to its arguments)."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One streamed chunk: new token ids and the text they completed. The last chunk has finish_reason."""
 
@@ -49,6 +61,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # increments of the reply's tool calls (requests with tools)
 
     @property
     def finished(self) -> bool:

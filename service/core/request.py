@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.core.grammar import Matcher
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
 from service.core.speculative import DraftStats
@@ -90,6 +91,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     rng: np.random.Generator | None = None
+    matcher: Matcher | None = None  # constrained decoding: where the reply is in its grammar
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -3,7 +3,9 @@ or a verify step's rows for one request's draft tokens.
 
 Greedy rows take an argmax over the whole batch at once. Penalties and the min_new_tokens mask touch
 only the rows that ask for them. Random rows draw from each request's own generator, so a seeded
-request gives the same tokens whatever else shares its batch.
+request gives the same tokens whatever else shares its batch. A request with a response format brings a
+bitmask of the tokens its grammar allows (one per row): the others get -inf before anything else, in one
+vectorized pass over the rows that have one.
 
 Verification (speculative decoding) samples each position of a draft run exactly as a normal step would
 (penalties and masks as if the earlier drafts had been generated, one draw from the request's generator
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service.core.grammar import allowed
 from service.core.outputs import TokenLogprob
 from service.core.params import SamplingParams
 from service.core.request import Request
@@ -32,11 +35,18 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
-def sample(logits: np.ndarray, requests: Sequence[Request]) -> SampleResult:
-    """logits: [len(requests), vocab] float32, modified in place."""
+def sample(logits: np.ndarray, requests: Sequence[Request], masks: Sequence[np.ndarray | None] = ()) -> SampleResult:
+    """logits: [len(requests), vocab] float32, modified in place. masks: per request, None or its grammar's
+    bitmask of the next position ([1, words] int32); empty when no request has one."""
     logits = logits.astype(np.float32, copy=False)
+    constrained = [row for row, m in enumerate(masks) if m is not None]
+    if constrained:
+        bits = allowed(np.concatenate([m for m in masks if m is not None]), logits.shape[-1])
+        logits[constrained] = np.where(bits, logits[constrained], -np.inf)
     for row, request in enumerate(requests):
         _apply_penalties(logits[row], request.params, request.output_token_ids, request.all_token_ids)
+    for i, row in enumerate(constrained):
+        _keep_one_allowed(logits[row], bits[i])
     token_ids = np.argmax(logits, axis=-1)
     for row, request in enumerate(requests):
         if not request.params.greedy:
@@ -49,14 +59,18 @@ def sample(logits: np.ndarray, requests: Sequence[Request]) -> SampleResult:
     return SampleResult(chosen, logprobs)
 
 
-def verify(rows: np.ndarray, request: Request, drafts: Sequence[int]) -> SampleResult:
+def verify(rows: np.ndarray, request: Request, drafts: Sequence[int], masks: np.ndarray | None = None) -> SampleResult:
     """rows: [len(drafts) + 1, vocab], row i the logits after the request's tokens and drafts[:i]; modified in
-    place. Returns the emitted tokens (the drafts kept, then the first token that is not its draft, or a
-    bonus token after the last draft) with their logprobs, as len(result) plain steps would have sampled
-    them given those tokens."""
+    place. masks: the grammar's bitmask for each row, if the request has one. Returns the emitted tokens (the
+    drafts kept, then the first token that is not its draft, or a bonus token after the last draft) with
+    their logprobs, as len(result) plain steps would have sampled them given those tokens."""
     rows = rows.astype(np.float32, copy=False)
     p = request.params
-    if _argmax_only(request):  # no per-position state to track: one vectorized argmax
+    bits = None
+    if masks is not None:
+        bits = allowed(masks, rows.shape[-1])
+        rows[~bits] = -np.inf
+    if bits is None and _argmax_only(request):  # no per-position state to track: one vectorized argmax
         tokens = accept_greedy(drafts, [int(t) for t in np.argmax(rows, axis=-1)])
         return SampleResult(tokens, [None] * len(tokens))
     token_ids: list[int] = []
@@ -64,6 +78,8 @@ def verify(rows: np.ndarray, request: Request, drafts: Sequence[int]) -> SampleR
     for i, row in enumerate(rows):
         earlier = list(drafts[:i])  # the tokens before this position are the kept drafts
         _apply_penalties(row, p, [*request.output_token_ids, *earlier], [*request.all_token_ids, *earlier])
+        if bits is not None:
+            _keep_one_allowed(row, bits[i])
         token = int(np.argmax(row)) if p.greedy else _sample_row(row, request)
         token_ids.append(token)
         logprobs.append(_logprobs(row, token, p.logprobs) if p.logprobs else None)
@@ -83,6 +99,13 @@ def _argmax_only(request: Request) -> bool:
         and not p.frequency_penalty
         and request.num_output_tokens >= p.min_new_tokens
     )
+
+
+def _keep_one_allowed(row: np.ndarray, allowed_row: np.ndarray) -> None:
+    """The grammar wins over min_new_tokens: when the ban of eos left nothing the grammar allows (it admits
+    only eos), its allowed tokens come back, equally likely."""
+    if not np.isfinite(row.max()):
+        row[allowed_row] = 0.0
 
 
 def _apply_penalties(

@@ -216,6 +216,8 @@ class Scheduler:
             request.first_token_time = now
         for token_id in token_ids:
             request.append_token(token_id)
+            if request.matcher is not None:
+                request.matcher.advance(token_id)
             reason = stop_reason(request, self.max_model_len)
             if reason is not None:
                 return reason
@@ -359,6 +361,8 @@ class Scheduler:
                 return ()
             k = 1
         drafts = tuple(self.proposer.propose(request.all_token_ids, k)[:k])
+        if request.matcher is not None:  # a draft the grammar forbids could never be kept
+            drafts = drafts[: request.matcher.num_valid(drafts)]
         cost.add(len(drafts), acceptance)
         return drafts
 

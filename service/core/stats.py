@@ -69,4 +69,5 @@ class EngineStats:
     execute_seconds_total: float = 0.0
     sample_seconds_total: float = 0.0
     update_seconds_total: float = 0.0
+    mask_seconds_total: float = 0.0  # computing grammar masks (response formats, tool calls)
     step_seconds_total: float = 0.0

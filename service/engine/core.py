@@ -16,7 +16,9 @@ import queue
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,15 +29,17 @@ from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
 from service.core.sampler import sample, verify
-from service.core.scheduler import Scheduler, StepPlan
+from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
-from service.errors import DeadlineExceeded, EngineFailure, ServiceError, Unavailable
+from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
 from service.model_files import ModelFiles
 from service.runner import ModelRunner, StepInput
 
 log = logging.getLogger(__name__)
+
+MASK_TIMES_KEPT = 10_000
 
 
 @dataclass
@@ -120,6 +124,9 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_failed_steps = 0
+        # seconds spent computing grammar masks, per step that had any: benchmarks read their distribution
+        self.mask_seconds: deque[float] = deque(maxlen=MASK_TIMES_KEPT)
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.alive = False  # the thread runs and takes requests
 
     # -- any thread ------------------------------------------------------------------------------------
@@ -164,6 +171,7 @@ class EngineCore:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._grammar_thread.shutdown(wait=False)
         self.alive = False
         if self.disk_tier is not None:  # blocks filled before the stop reach the disk: a restart finds them
             self.disk_tier.close(timeout=30)
@@ -282,19 +290,30 @@ class EngineCore:
             self.disk_tier.save([(b.digest, b.block_id) for b in blocks if b.digest is not None])
 
     def _run_plan(self, plan: StepPlan, clock: _StageClock) -> list[EngineOutput]:
+        sampled = [c for c in plan.chunks if c.sample]
+        # The grammars' masks depend only on the tokens accepted so far, so they are computed while the model
+        # runs, on the grammar thread (both release the GIL); the engine thread takes the matchers back with
+        # the result and is their only user otherwise.
+        constrained = [c for c in sampled if c.request.matcher is not None]
+        pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
-        sampled = [c for c in plan.chunks if c.sample]
+        by_id = pending.result() if pending is not None else {}
+        if pending is not None:
+            clock.lap("mask")  # the masks' time beyond the model's: what they add to the step
+        masks = [by_id.get(c.request.id) for c in sampled]
         ends = np.cumsum([c.num_logits for c in sampled], dtype=np.int64)
         plain = [i for i, c in enumerate(sampled) if not c.drafts]
-        result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain])
+        plain_masks = [masks[i] for i in plain] if any(m is not None for m in masks) else []
+        result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain], plain_masks)
         runs: list[list[int]] = [[] for _ in sampled]
         logprobs: list[list[TokenLogprob | None]] = [[] for _ in sampled]
         for i, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
             runs[i], logprobs[i] = [token_id], [logprob]
         for i, chunk in enumerate(sampled):
             if chunk.drafts:  # the k+1 rows of a verify chunk
-                run = verify(logits[ends[i] - chunk.num_logits : ends[i]], chunk.request, chunk.drafts)
+                rows = logits[ends[i] - chunk.num_logits : ends[i]]
+                run = verify(rows, chunk.request, chunk.drafts, masks[i])
                 runs[i], logprobs[i] = run.token_ids, run.logprobs
         clock.lap("sample")
         num_before = [c.request.num_output_tokens for c in sampled]
@@ -302,10 +321,31 @@ class EngineCore:
         clock.lap("update")
         outputs = []
         for chunk, n, run_logprobs in zip(sampled, num_before, logprobs, strict=True):
+            matcher = chunk.request.matcher
+            if matcher is not None and matcher.error:
+                outputs.append(self._grammar_failed(chunk.request, matcher.error))
+                continue
             new = chunk.request.output_token_ids[n:]  # a stop inside a run drops the tokens after it
             kept = [lp for lp in run_logprobs[: len(new)] if lp is not None]
             outputs.append(self._output(chunk.request, new, kept))
         return outputs
+
+    def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
+        """On the grammar thread: each constrained chunk's masks, by request id."""
+        start = time.perf_counter()
+        masks = {}
+        for c in chunks:
+            assert c.request.matcher is not None
+            masks[c.request.id] = c.request.matcher.masks(c.drafts)
+        self.mask_seconds.append(time.perf_counter() - start)
+        return masks
+
+    def _grammar_failed(self, request: Request, error: str) -> EngineOutput:
+        """A grammar that hit one of its limits (an extreme schema) ends its own request with an error, and
+        nothing else (the matcher then admits only eos, so the engine saw no invalid token)."""
+        log.warning("request %d: its grammar failed: %s", request.id, error)
+        self.scheduler.finish(request)
+        return self._error(request, InvalidArgument("response_format", f"the grammar failed mid-reply: {error}"))
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> None:
         log.error("engine step failed; failing its %d requests", len(requests), exc_info=exc)
@@ -378,6 +418,7 @@ class EngineCore:
             execute_seconds_total=s.execute_seconds_total + seconds.get("execute", 0.0),
             sample_seconds_total=s.sample_seconds_total + seconds.get("sample", 0.0),
             update_seconds_total=s.update_seconds_total + seconds.get("update", 0.0),
+            mask_seconds_total=s.mask_seconds_total + seconds.get("mask", 0.0),
             step_seconds_total=s.step_seconds_total + (clock.total if clock else 0.0),
         )
 

@@ -19,11 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from service.core.config import EngineConfig
-from service.core.detokenizer import IncrementalDetokenizer
+from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
 from service.core.outputs import FinishReason, RequestOutput, Timings, Usage
 from service.core.params import SamplingParams
 from service.core.request import Request, check_cache_salt, check_label
 from service.core.stats import EngineStats, ModelInfo
+from service.core.tools import CLOSE_TAG, OPEN_TAG, ReplyParser, Tools
 from service.engine.core import EngineCore, EngineOutput
 from service.errors import DeadlineExceeded, InvalidArgument, QueueFull, Unavailable
 from service.model_files import ModelFiles
@@ -42,7 +43,7 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model = ModelFiles.read(model_dir)
-        self.tokenizer = Tokenizer(self.model.path)
+        self.tokenizer = Tokenizer(self.model.path, Path(config.chat_template) if config.chat_template else None)
         self.core = EngineCore(self.model, config, self._publish, self._core_died)
         self.info: ModelInfo = self.core.info
         if self.tokenizer.max_token_id >= self.info.vocab_size:
@@ -50,6 +51,9 @@ class Engine:
                 f"the tokenizer in {model_dir} has token ids up to {self.tokenizer.max_token_id}, outside the "
                 f"model's vocabulary of {self.info.vocab_size}; convert the model again with `python -m convert`"
             )
+        self.grammars = GrammarCompiler(
+            (self.model.path / "tokenizer.json").read_text(), self.info.vocab_size, self.info.eos_token_ids
+        )
         self._streams: dict[int, _Stream] = {}  # by request id; written on callers' loops, read by the engine
         self._ids = itertools.count(1)
         self._death_listeners: list[Callable[[], None]] = []
@@ -90,11 +94,25 @@ class Engine:
         timeout: float | None = None,
         prompt_field: str = "prompt_token_ids",
         cache_salt: str = "",
+        response_format: ResponseFormat | None = None,
+        tools: Tools | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the outputs of one request; the last has finish_reason, usage and timings. Closing the
         stream early aborts the request. prompt_field names the input the caller sent, for errors;
-        requests with different cache_salt never share cached KV blocks."""
-        request = self._make_request(prompt_token_ids, params, request_id, timeout, prompt_field, cache_salt)
+        requests with different cache_salt never share cached KV blocks; a response_format constrains the
+        reply to its grammar (compiled off the caller's event loop: a large schema takes milliseconds).
+        With active tools (already rendered into the prompt) the reply's calls are constrained to them and
+        come back parsed, as increments in each output's tool_calls."""
+        call_ids = None
+        if tools is not None and tools.active:
+            if response_format is not None:
+                raise InvalidArgument("response_format", "cannot be combined with tools")
+            call_ids = self.tool_call_ids()
+            response_format = tools.response_format(*call_ids)
+        matcher = None
+        if response_format is not None:
+            matcher = await asyncio.to_thread(self.grammars.matcher, response_format)
+        request = self._make_request(prompt_token_ids, params, request_id, timeout, prompt_field, cache_salt, matcher)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.id] = stream
         finished = False
@@ -102,25 +120,28 @@ class Engine:
             if not self.core.alive:  # checked after registering: a death from now on reaches this stream
                 raise Unavailable("the engine has stopped")
             self.core.submit(request)
-            detok = IncrementalDetokenizer(self.tokenizer.decode, params.stop, params.include_stop_str_in_output)
+            parser = ReplyParser(self.tokenizer.decode, call_ids, params.stop, params.include_stop_str_in_output)
             num_tokens, first_token_time = 0, None
             while not finished:
                 out = coalesce(await stream.outputs.get(), stream.outputs)
                 if out.error is not None:
                     finished = True
                     raise out.error
-                text = detok.add(out.token_ids)
+                text, calls = parser.add(out.token_ids)
                 num_tokens += len(out.token_ids)
                 if out.token_ids and first_token_time is None:
                     first_token_time = time.monotonic()
                 finish = out.finish_reason
-                if detok.stopped and finish is None:
+                if parser.stopped and finish is None:
                     finish = FinishReason.STOP
                     self.core.abort(request.id)
                 usage = timings = None
                 if finish is not None:
                     finished = True
-                    text += detok.flush()
+                    rest, more = parser.finish()
+                    text, calls = text + rest, calls + more
+                    if finish is FinishReason.STOP and parser.num_calls:
+                        finish = FinishReason.TOOL_CALLS
                     usage = Usage(
                         request.num_prompt_tokens,
                         num_tokens,
@@ -130,12 +151,21 @@ class Engine:
                     )
                     timings = _timings(request.arrival_time, out.queue_seconds, first_token_time)
                 yield RequestOutput(
-                    request.label, tuple(out.token_ids), text, tuple(out.logprobs), finish, usage, timings
+                    request.label, tuple(out.token_ids), text, tuple(out.logprobs), finish, usage, timings, tuple(calls)
                 )
         finally:
             del self._streams[request.id]
             if not finished:
                 self.core.abort(request.id)
+
+    def tool_call_ids(self) -> tuple[int, int]:
+        """The tokens that open and close a tool call in the model's format (Qwen3's)."""
+        ids = self.tokenizer.token_to_id(OPEN_TAG), self.tokenizer.token_to_id(CLOSE_TAG)
+        if ids[0] is None or ids[1] is None:
+            raise InvalidArgument(
+                "tools", f"this model has no {OPEN_TAG} and {CLOSE_TAG} tokens: its tool-call format is not supported"
+            )
+        return ids[0], ids[1]
 
     def _make_request(
         self,
@@ -145,6 +175,7 @@ class Engine:
         timeout: float | None,
         prompt_field: str,
         cache_salt: str,
+        matcher: Matcher | None = None,
     ) -> Request:
         """Validate everything a caller sent; the request is the engine thread's once submitted."""
         if label is not None:
@@ -178,7 +209,13 @@ class Engine:
         params = replace(params, eos_token_ids=self.info.eos_token_ids)
         deadline = time.monotonic() + timeout if timeout is not None else None
         return Request(
-            next(self._ids), list(prompt), params, label or uuid.uuid4().hex, cache_salt=cache_salt, deadline=deadline
+            next(self._ids),
+            list(prompt),
+            params,
+            label or uuid.uuid4().hex,
+            cache_salt=cache_salt,
+            deadline=deadline,
+            matcher=matcher,
         )
 
     # -- engine thread ---------------------------------------------------------------------------------

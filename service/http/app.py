@@ -142,7 +142,7 @@ def _no_constant(name: str) -> None:
 def prompt_ids(tokenizer: Tokenizer, call: openai.Call) -> tuple[list[int], str]:
     """The call's input as token ids, and the field it came from (for errors)."""
     if call.messages is not None:
-        return tokenizer.encode_chat(call.messages), "messages"
+        return tokenizer.encode_chat(call.messages, call.shown_tools), "messages"
     if isinstance(call.prompt, str):
         if not call.prompt:
             raise InvalidArgument("prompt", "must not be empty")
@@ -244,7 +244,15 @@ class Api:
         except Exception as exc:
             return ex.refuse(exc)
         label = ex.request_id or ""
-        stream = engine.generate(ids, call.params, label, prompt_field=field, cache_salt=call.cache_salt)
+        stream = engine.generate(
+            ids,
+            call.params,
+            label,
+            prompt_field=field,
+            cache_salt=call.cache_salt,
+            response_format=call.response_format,
+            tools=call.tools,
+        )
         reply = openai.Reply(call, engine.info.model_id, label, token_text(engine.tokenizer))
         clock = TokenClock(self.state.metrics, ex.started)
         self.state.num_in_flight += 1

@@ -6,15 +6,19 @@ the field as the client sent it: `Call.names` maps the domain's field names back
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, Usage
+from service.core.grammar import ResponseFormat
+from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, ToolCallDelta, Usage
 from service.core.params import SamplingParams
 from service.core.stats import ModelInfo
+from service.core.tools import Mode, Tool, ToolChoice, Tools, template_call
 from service.errors import InvalidArgument
 
 INT64 = 1 << 63
@@ -31,16 +35,12 @@ IGNORED = frozenset(
         "prompt_cache_key",
         "prompt_cache_retention",
         "prompt_cache_options",
-        "parallel_tool_calls",
     )
 )
 # OpenAI fields this server does not implement: a request that sets one is refused, never half-served.
 UNSUPPORTED = {
-    "tools": "tools and function calling are not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "tool_choice": "tools are not supported (only 'none')",
-    "response_format": "only {'type': 'text'} is supported",
+    "functions": "the legacy functions are not supported; use tools",
+    "function_call": "the legacy function_call is not supported; use tool_choice",
     "audio": "audio output is not supported",
     "modalities": "only ['text'] is supported",
     "logit_bias": "logit_bias is not supported",
@@ -54,23 +54,27 @@ UNSUPPORTED = {
 }
 # Values of unsupported fields that ask for nothing beyond what is supported.
 HARMLESS: dict[str, Callable[[Any], bool]] = {
-    "tool_choice": lambda v: v == "none",
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "modalities": lambda v: v == ["text"],
     "echo": lambda v: v is False,
 }
 # vLLM's extensions, taken the way vLLM takes them.
 EXTENSIONS = (
     *("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output"),
-    *("stop_token_ids", "cache_salt"),
+    *("stop_token_ids", "cache_salt", "structured_outputs"),
 )
 COMMON = (
     *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
     *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS),
 )
-CHAT_FIELDS = frozenset((*COMMON, "messages", "max_completion_tokens", "top_logprobs"))
+CHAT_FIELDS = frozenset(
+    (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice")
+    + ("parallel_tool_calls",)
+)
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt"))
-MESSAGE_FIELDS = frozenset(("role", "content", "name"))  # tool_calls and the like are refused as unknown
+MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# vLLM's structured_outputs (its successor of guided_json / guided_regex / guided_choice): one of these keys
+STRUCTURED_OUTPUTS = ("json", "regex", "choice")
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
@@ -81,13 +85,20 @@ class Call:
     chat: bool
     params: SamplingParams
     model: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     stream: bool = False
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs; else how many alternatives to report per token
     cache_salt: str = ""
     names: dict[str, str] = field(default_factory=dict)  # domain field -> the request's name for it
+    response_format: ResponseFormat | None = None
+    tools: Tools | None = None
+
+    @property
+    def shown_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template shows them to the model; None when the reply calls none."""
+        return [t.rendered() for t in self.tools.tools] if self.tools is not None and self.tools.active else None
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
         """The engine's error about one of our fields, naming the field as this request called it."""
@@ -110,7 +121,7 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> Call:
     max_tokens = _int(fields, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(fields, "max_tokens")
-    return _call(
+    call = _call(
         fields,
         info,
         chat=True,
@@ -119,6 +130,7 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> Call:
         top_logprobs=(top or 0) if logprobs else None,
         names=names,
     )
+    return replace(call, tools=tools(fields))
 
 
 def parse_completion(body: Mapping[str, Any], info: ModelInfo) -> Call:
@@ -196,6 +208,7 @@ def _call(
         stop_token_ids=tuple(_ints(fields.get("stop_token_ids"), "stop_token_ids")),
     )
     salt = _str(fields, "cache_salt") or ""
+    structure = response_format(fields)
     return Call(
         chat,
         params,
@@ -207,11 +220,12 @@ def _call(
         top_logprobs,
         salt,
         names | {"min_new_tokens": "min_tokens"},
+        structure,
     )
 
 
-def messages(raw: Any) -> list[dict[str, str]]:
-    """Chat messages as the chat template takes them: text contents only."""
+def messages(raw: Any) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: text contents, and the fields of tool use."""
     if not isinstance(raw, list):
         raise InvalidArgument("messages", f"must be a non-empty array of messages, got {_kind(raw)}")
     out = []
@@ -221,8 +235,125 @@ def messages(raw: Any) -> list[dict[str, str]]:
         role = _str(m, "role", where)
         if role is None:
             raise InvalidArgument(f"{where}.role", "is required")
-        out.append({"role": CHAT_ROLES.get(role, role), "content": _content(m.get("content"), where)})
+        message: dict[str, Any] = {"role": CHAT_ROLES.get(role, role), "content": _content(m.get("content"), where)}
+        for name in ("tool_call_id", "name"):
+            if _str(m, name, where) is not None:
+                message[name] = m[name]
+        if "tool_calls" in m:
+            message["tool_calls"] = _message_calls(m["tool_calls"], f"{where}.tool_calls")
+        out.append(message)
     return out
+
+
+def _message_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's earlier tool calls, sent back with the conversation."""
+    if not isinstance(raw, list):
+        raise InvalidArgument(where, f"must be an array of tool calls, got {_kind(raw)}")
+    calls = []
+    for j, c in enumerate(raw):
+        at = f"{where}[{j}]"
+        function = _object(_object(c, at).get("function"), f"{at}.function")
+        name = _str(function, "name", f"{at}.function") or ""
+        calls.append(
+            template_call(
+                _str(c, "id", at) or "", name, _str(function, "arguments", f"{at}.function") or "", f"{at}.function"
+            )
+        )
+    return calls
+
+
+def response_format(fields: Mapping[str, Any]) -> ResponseFormat | None:
+    """OpenAI's response_format, or vLLM's structured_outputs (json, regex or choice); not both."""
+    given, extension = fields.get("response_format"), fields.get("structured_outputs")
+    if given is not None and extension is not None:
+        raise InvalidArgument("structured_outputs", "set response_format or structured_outputs, not both")
+    if extension is not None:
+        return _structured_outputs(_object(extension, "structured_outputs"))
+    if given is None:
+        return None
+    kind = _object(given, "response_format").get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise InvalidArgument("response_format.type", f"must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat.json_object("response_format")
+    spec = _object(given.get("json_schema"), "response_format.json_schema")
+    _str(spec, "name", "response_format.json_schema")
+    _bool(spec, "strict")  # accepted: the schema is always enforced
+    where = "response_format.json_schema.schema"
+    return ResponseFormat.json_schema(_schema_text(spec.get("schema"), where), where)
+
+
+def _structured_outputs(options: dict[str, Any]) -> ResponseFormat:
+    given = [k for k, v in options.items() if v is not None]
+    for key in given:
+        if key not in STRUCTURED_OUTPUTS:
+            raise InvalidArgument(
+                f"structured_outputs.{key}", f"not supported; use one of {', '.join(STRUCTURED_OUTPUTS)}"
+            )
+    if len(given) != 1:
+        raise InvalidArgument("structured_outputs", f"set exactly one of {', '.join(STRUCTURED_OUTPUTS)}")
+    key = given[0]
+    value, where = options[key], f"structured_outputs.{key}"
+    if key == "json":
+        return ResponseFormat.json_schema(value if isinstance(value, str) else _schema_text(value, where), where)
+    if key == "regex":
+        if not isinstance(value, str):
+            raise InvalidArgument(where, f"must be a string, got {_kind(value)}")
+        return ResponseFormat.regex(value, where)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidArgument(where, "must be an array of strings")
+    return ResponseFormat.choice(value, where)
+
+
+def _schema_text(schema: Any, where: str) -> str:
+    if not isinstance(schema, dict | bool):
+        raise InvalidArgument(where, f"must be a JSON schema (an object), got {_kind(schema)}")
+    return json.dumps(schema)
+
+
+TOOL_CHOICES = {"auto": Mode.AUTO, "none": Mode.NONE, "required": Mode.REQUIRED}
+
+
+def tools(fields: Mapping[str, Any]) -> Tools | None:
+    """tools, tool_choice and parallel_tool_calls; errors name the fields as OpenAI's shapes call them."""
+    raw, choice = fields.get("tools"), fields.get("tool_choice")
+    if raw is None and choice is None:
+        return None
+    if raw is not None and not isinstance(raw, list):
+        raise InvalidArgument("tools", f"must be an array of tools, got {_kind(raw)}")
+    defined = []
+    for i, t in enumerate(raw or ()):
+        where = f"tools[{i}]"
+        if _object(t, where).get("type") != "function":
+            raise InvalidArgument(f"{where}.type", "only 'function' tools are supported")
+        function = _object(t.get("function"), f"{where}.function")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise InvalidArgument(f"{where}.function.parameters", "must be a JSON schema (an object)")
+        name = _str(function, "name", f"{where}.function") or ""
+        defined.append(Tool(name, _str(function, "description", f"{where}.function") or "", parameters))
+    parallel = _bool(fields, "parallel_tool_calls")
+    try:
+        return Tools(tuple(defined), _tool_choice(choice, True if parallel is None else parallel))
+    except InvalidArgument as exc:  # the domain's tools[i].name is OpenAI's tools[i].function.name
+        name = re.sub(r"^(tools\[\d+\])\.", r"\1.function.", exc.field)
+        raise InvalidArgument(name, str(exc).removeprefix(exc.field + ": ")) from None
+
+
+def _tool_choice(choice: Any, parallel: bool) -> ToolChoice:
+    if choice is None:
+        return ToolChoice(Mode.AUTO, parallel=parallel)
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise InvalidArgument("tool_choice", f"must be auto, none, required or a function, got {choice!r}")
+        return ToolChoice(TOOL_CHOICES[choice], parallel=parallel)
+    function = _object(_object(choice, "tool_choice").get("function"), "tool_choice.function")
+    name = _str(function, "name", "tool_choice.function")
+    if choice.get("type") != "function" or name is None:
+        raise InvalidArgument("tool_choice", 'must be {"type": "function", "function": {"name": ...}}')
+    return ToolChoice(Mode.NAMED, name, parallel)
 
 
 def _content(content: Any, where: str) -> str:
@@ -332,7 +463,12 @@ def _str(fields: Mapping[str, Any], name: str, where: str = "") -> str | None:
 
 
 # -- domain -> response ------------------------------------------------------------------------------------
-FINISH_REASON = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+FINISH_REASON = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.TOOL_CALLS: "tool_calls",
+}
 
 
 def usage(u: Usage) -> dict[str, Any]:
@@ -368,7 +504,10 @@ class Reply:
         logprobs = self._logprobs([lp for o in outputs for lp in o.logprobs], text_start=0)
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": _finish(last)}
         if self.call.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            calls = tool_calls(d for o in outputs for d in o.tool_calls)
+            choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                choice["message"]["tool_calls"] = calls
             body = self._envelope("chat.completion", [choice])
         else:
             choice["text"] = text
@@ -389,6 +528,8 @@ class Reply:
             logprobs = self._logprobs(out.logprobs, self.num_chars)
             self.num_chars += len(out.text)
             chunks.append(self._chunk({"content": out.text} if self.call.chat else out.text, None, logprobs))
+        if out.tool_calls:
+            chunks.append(self._chunk({"tool_calls": tool_calls(out.tool_calls)}, None))
         if out.finished:
             chunks.append(self._chunk({} if self.call.chat else "", _finish(out)))
             if self.call.include_usage and out.usage is not None:
@@ -401,7 +542,7 @@ class Reply:
     def _chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.call.chat else "text_completion"
 
-    def _chunk(self, delta: dict[str, str] | str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.call.chat:
             choice["delta"] = delta
@@ -439,6 +580,20 @@ class Reply:
     def _token_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def tool_calls(deltas: Iterable[ToolCallDelta]) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls entries: increments of one index joined (the first has id, type and name)."""
+    entries: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        entry = entries.get(d.index)
+        if entry is None:
+            entry = entries[d.index] = {"index": d.index, "function": {"arguments": ""}}
+        if d.id:
+            entry.update(id=d.id, type="function")
+            entry["function"]["name"] = d.name
+        entry["function"]["arguments"] += d.arguments
+    return list(entries.values())
 
 
 def _finish(out: RequestOutput) -> str | None:

@@ -1,0 +1,276 @@
+"""Structured output and tool calls over gRPC on real servers (port 0): the tiny Qwen3 model (random weights,
+served with the real Qwen3-4B-Instruct-2507 chat template) and SmolLM2. Replies are validated with
+jsonschema; the grammar, not the model, makes them valid, so sampling at high temperature must too."""
+
+import json
+
+import grpc
+import jsonschema
+import pytest
+
+from service.api.ovserve.v1 import ovserve_pb2 as pb
+from service.client import Client
+from tests.conftest import ROOT
+from tests.test_grammar import SCHEMAS
+from tests.test_server import TIMEOUT, Running, base_config, wait_idle
+
+TEMPLATE = str(ROOT / "templates/qwen3-instruct-2507.jinja")
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    pb.Tool(name="get_weather", description="The weather forecast of a city", parameters=json.dumps(WEATHER)),
+    pb.Tool(name="get_time", description="The local time of a city"),
+]
+ASK = [{"role": "user", "content": "Answer in JSON."}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_ir):
+    running = Running(base_config(tiny_qwen3_ir, max_num_seqs=8, chat_template=TEMPLATE))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_ir):
+    running = Running(base_config(smollm2_ir, max_num_seqs=8))
+    yield running
+    running.stop()
+
+
+def schema_format(schema) -> pb.ResponseFormat:
+    return pb.ResponseFormat(json_schema=pb.JsonSchema(schema=json.dumps(schema), name="reply"))
+
+
+@pytest.mark.parametrize("model", ["tiny", "smol"])
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_schema_constrained_replies_validate(request, model, temperature):
+    server = request.getfixturevalue(model)
+    with Client(server.target) as client:
+        for seed, (name, schema) in enumerate(sorted(SCHEMAS.items())):
+            options = {"temperature": temperature, "seed": seed, "max_new_tokens": 200}
+            reply = client.generate(messages=ASK, response_format=schema_format(schema), **options, timeout=TIMEOUT)
+            assert reply.finish_reason == pb.FINISH_REASON_STOP, (name, reply.text)
+            jsonschema.validate(json.loads(reply.text), schema)
+            chunks = list(client.stream(messages=ASK, response_format=schema_format(schema), **options))
+            assert "".join(c.text for c in chunks) == reply.text  # seeded: the stream is the same reply
+    assert wait_idle(server.engine).num_free_blocks == server.engine.stats().num_total_blocks
+
+
+def test_json_object_regex_and_choice(smol):
+    with Client(smol.target) as client:
+        for temperature in (0.0, 1.5):
+            common = {"messages": ASK, "temperature": temperature, "seed": 1, "max_new_tokens": 120}
+            if temperature == 0:  # any object: sampled at 1.5, SmolLM2 writes keys longer than any limit here
+                obj = client.generate(response_format=pb.ResponseFormat(json_object=True), **common)
+                assert obj.finish_reason == pb.FINISH_REASON_STOP and isinstance(json.loads(obj.text), dict)
+            date = client.generate(
+                response_format=pb.ResponseFormat(regex=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"), **common
+            )
+            assert len(date.text) == 10 and date.text[:2] == "20" and date.finish_reason == pb.FINISH_REASON_STOP
+            labels = ["positive", "negative", "neutral"]
+            choice = pb.ResponseFormat(choice=pb.Choice(options=labels))
+            assert client.generate(response_format=choice, **common).text in labels
+
+
+def test_a_grammar_admitting_only_eos_ends_cleanly(smol):
+    with Client(smol.target) as client:
+        reply = client.generate(prompt="Hello", response_format=pb.ResponseFormat(regex=""), min_new_tokens=3)
+    assert reply.finish_reason == pb.FINISH_REASON_STOP and reply.text == ""
+    assert len(reply.token_ids) == 1 and reply.token_ids[0] in smol.engine.info.eos_token_ids
+
+
+def test_stop_strings_and_length_still_apply(smol):
+    with Client(smol.target) as client:
+        schema = schema_format(SCHEMAS["nested"])
+        cut = client.generate(messages=ASK, response_format=schema, max_new_tokens=3)
+        assert cut.finish_reason == pb.FINISH_REASON_LENGTH and len(cut.token_ids) == 3  # incomplete JSON
+        stopped = client.generate(messages=ASK, response_format=schema, stop=['"address"'], max_new_tokens=100)
+        assert stopped.finish_reason == pb.FINISH_REASON_STOP and stopped.text.startswith('{"name": "')
+        assert '"address"' not in stopped.text
+
+
+@pytest.mark.parametrize(
+    "response_format, field, words",
+    [
+        (pb.ResponseFormat(json_schema=pb.JsonSchema(schema='{"type": 12}')), "response_format.json_schema", "valid"),
+        (pb.ResponseFormat(json_schema=pb.JsonSchema(schema="{")), "response_format.json_schema", "JSON"),
+        (pb.ResponseFormat(regex="(unclosed"), "response_format.regex", "regex"),
+        (pb.ResponseFormat(regex="x" * 70000), "response_format.regex", "65536"),
+        (pb.ResponseFormat(choice=pb.Choice()), "response_format.choice", "at least one"),
+        (pb.ResponseFormat(json_object=False), "response_format.json_object", "true"),
+        (pb.ResponseFormat(), "response_format", "set one of"),
+    ],
+)
+def test_invalid_formats_are_invalid_argument_naming_the_field(smol, response_format, field, words):
+    with Client(smol.target) as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(messages=ASK, response_format=response_format)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":") and words in err.value.details()
+
+
+def calls_of(chunks) -> dict[int, dict]:
+    """The stream's tool call increments joined per index, checking that each call opens with id and name."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for d in chunk.tool_calls:
+            if d.index not in calls:
+                assert d.id.startswith("call_") and d.name and not d.arguments
+                calls[d.index] = {"id": d.id, "name": d.name, "arguments": ""}
+            else:
+                assert not d.id and not d.name
+                calls[d.index]["arguments"] += d.arguments
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+@pytest.mark.parametrize(
+    "choice",
+    [
+        pb.ToolChoice(mode=pb.ToolChoice.MODE_REQUIRED),
+        pb.ToolChoice(function="get_weather"),
+        pb.ToolChoice(mode=pb.ToolChoice.MODE_REQUIRED, parallel=False),
+    ],
+    ids=["required", "named", "required-single"],
+)
+def test_forced_tool_calls_stream_valid_arguments(tiny, choice, temperature):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    options = {"temperature": temperature, "seed": 5, "max_new_tokens": 300}
+    with Client(tiny.target) as client:
+        chunks = list(client.stream(messages=messages, tools=TOOLS, tool_choice=choice, **options))
+        whole = client.generate(messages=messages, tools=TOOLS, tool_choice=choice, **options)
+    calls = calls_of(chunks)
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS and calls
+    assert "".join(c.text for c in chunks) == "" and whole.text == ""
+    if choice.HasField("function") or choice.HasField("parallel"):
+        assert len(calls) == 1
+    for call in calls.values():
+        arguments = json.loads(call["arguments"])
+        if call["name"] == "get_weather":
+            jsonschema.validate(arguments, WEATHER)
+        else:
+            assert call["name"] == "get_time" and isinstance(arguments, dict)
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == [(c["name"], c["arguments"]) for c in calls.values()]
+    assert wait_idle(tiny.engine).num_free_blocks == tiny.engine.stats().num_total_blocks
+
+
+def test_auto_tool_choice_gives_text_or_valid_calls_and_results_go_back(tiny):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with Client(tiny.target) as client:
+        for seed in range(3):
+            chunks = list(client.stream(messages=messages, tools=TOOLS, temperature=1.0, seed=seed, max_new_tokens=60))
+            for call in calls_of(chunks).values():
+                if chunks[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS:
+                    json.loads(call["arguments"])
+        # a conversation carrying a call and its result back renders and runs
+        turn = [
+            *messages,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}],
+            },
+            {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1", "name": "get_weather"},
+        ]
+        reply = client.generate(messages=turn, tools=TOOLS, max_new_tokens=4, ignore_eos=True)
+        assert reply.usage.prompt_tokens > 0
+        ids = client.tokenize(messages=turn)
+    text = tiny.engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>' in text
+
+
+@pytest.mark.parametrize(
+    "tools, choice, field",
+    [
+        ([pb.Tool(name="bad name")], None, "tools[0].name"),
+        ([TOOLS[0], TOOLS[0]], None, "tools[1].name"),
+        ([pb.Tool(name="f", parameters="[1]")], None, "tools[0].parameters"),
+        ([pb.Tool(name="f", parameters='{"type": "string"}')], None, "tools[0].parameters"),
+        (TOOLS, pb.ToolChoice(function="nope"), "tool_choice"),
+        ([], pb.ToolChoice(mode=pb.ToolChoice.MODE_REQUIRED), "tool_choice"),
+    ],
+)
+def test_invalid_tools_name_the_field(tiny, tools, choice, field):
+    with Client(tiny.target) as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(messages=ASK, tools=tools, tool_choice=choice)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field + ":")
+
+
+def test_tools_need_a_template_that_renders_them(smol):
+    with Client(smol.target) as client, pytest.raises(grpc.RpcError) as err:
+        client.generate(messages=ASK, tools=TOOLS)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not render tools" in err.value.details()
+
+
+def test_grammar_with_speculative_decoding(smollm2_ir):
+    """Prompt lookup proposes drafts copied from the prompt; those the grammar forbids are never offered, the
+    kept ones count, and every reply is still valid."""
+    running = Running(base_config(smollm2_ir, speculative_tokens=4))
+    schema = SCHEMAS["enum_and_array"]
+    example = '{"color": "green", "tags": ["a", "b"]} ' * 6 + "plain words that no grammar here admits " * 4
+    try:
+        with Client(running.target) as client:
+            for temperature in (0.0, 1.2):
+                reply = client.generate(
+                    prompt=f"Copy: {example}\n",
+                    response_format=schema_format(schema),
+                    temperature=temperature,
+                    seed=2,
+                    max_new_tokens=100,
+                )
+                jsonschema.validate(json.loads(reply.text), schema)
+        stats = wait_idle(running.engine)
+        assert stats.num_draft_tokens > 0 and stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        running.stop()
+
+
+def test_preempted_constrained_requests_resume_in_their_grammar(tiny_qwen3_fp16_ir):
+    """Preemption recomputes a request's KV but keeps its tokens, and so its place in the grammar: replies of
+    requests preempted mid-way equal those of an engine with room for all, and match the format."""
+    import asyncio
+    import re
+
+    from service.core.grammar import ResponseFormat
+    from service.core.params import SamplingParams
+    from service.engine import Engine, EngineConfig
+    from tests.test_engine import PRECISION, assert_no_blocks_held, collect, prompts
+
+    fmt = ResponseFormat.regex("[a-z ]{80}")
+    params = SamplingParams(max_new_tokens=120)
+    ps = [p[:60] + [7] * max(0, 60 - len(p)) for p in prompts(4, seed=3)]
+
+    def replies(kv_blocks: int | None) -> tuple[list[str], int]:
+        probe = EngineConfig(kv_cache_gb=0.05, kv_cache_precision=PRECISION, max_num_batched_tokens=64)
+        if kv_blocks is not None:
+            big = Engine(tiny_qwen3_fp16_ir, probe)
+            block_bytes = big.info.kv_cache_bytes / big.info.num_kv_blocks
+            probe = EngineConfig(
+                kv_cache_gb=kv_blocks * block_bytes / 2**30, kv_cache_precision=PRECISION, max_num_batched_tokens=64
+            )
+        engine = Engine(tiny_qwen3_fp16_ir, probe)
+        engine.start()
+        try:
+
+            async def main():
+                return await asyncio.gather(*(collect(engine, p, params, response_format=fmt) for p in ps))
+
+            texts = [text for _, text, _ in asyncio.run(main())]
+            assert_no_blocks_held(engine)
+            return texts, engine.stats().num_preemptions
+        finally:
+            engine.shutdown()
+
+    roomy, _ = replies(None)
+    tight, preemptions = replies(8)  # 8 blocks of 32 tokens: four 60-token prompts with replies do not fit
+    assert preemptions > 0 and tight == roomy
+    assert all(re.fullmatch("[a-z ]{80}", text) for text in tight)
