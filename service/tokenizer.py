@@ -84,6 +84,11 @@ class Tokenizer:
         early or open a turn of another role."""
         # The template already placed any BOS token, so the tokenizer must not add another.
         add_bos = not self._template_has_bos
+        # Tools and earlier calls are rendered as JSON inside the template's text: refused, not escaped, if
+        # they spell a special token (they come from the application, rarely from an end user's words).
+        self._refuse_special(json.dumps(tools or [], ensure_ascii=False), "tools")
+        for i, m in enumerate(messages):
+            self._refuse_special(json.dumps(m.get("tool_calls") or [], ensure_ascii=False), f"messages[{i}].tool_calls")
         spelled = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self._special_texts)]
         if not spelled:
             return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=add_bos)
@@ -105,6 +110,11 @@ class Tokenizer:
             ids += self._plain.encode(messages[i]["content"], add_special_tokens=False).ids
             cursor = at + len(marks[i])
         return ids + list(self._tok.encode(text[cursor:], add_special_tokens=False).ids)
+
+    def _refuse_special(self, text: str, field: str) -> None:
+        special = next((s for s in self._special_texts if s in text), None)
+        if special is not None:
+            raise InvalidArgument(field, f"must not contain the special token {special!r}")
 
 
 def _compile_template(source: str) -> jinja2.Template:

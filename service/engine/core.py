@@ -343,7 +343,7 @@ class EngineCore:
     def _grammar_failed(self, request: Request, error: str) -> EngineOutput:
         """A grammar that hit one of its limits (an extreme schema) ends its own request with an error, and
         nothing else (the matcher then admits only eos, so the engine saw no invalid token)."""
-        log.warning("request %d: its grammar failed: %s", request.id, error)
+        log.warning("request %d: its grammar failed: %.200s", request.id, error)  # may quote the client's schema
         self.scheduler.finish(request)
         return self._error(request, InvalidArgument("response_format", f"the grammar failed mid-reply: {error}"))
 
