@@ -4,7 +4,7 @@ PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 
-.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-structured bench-kv-disk bench-ab bench-4b bench-llamacpp bench-replicas clean
+.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
 install: $(STAMP)
 
@@ -59,6 +59,10 @@ bench: $(STAMP) $(MODEL)/manifest.json
 # ovserve and genai alternating in one process: the comparison to trust on a shared machine.
 bench-ab: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.ab $(MODEL)
+
+# The HTTP front against gRPC and the engine in-process, alternating on one server (bench/results-http).
+bench-http: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.http_ab $(MODEL) --out bench/results-http/results.json
 
 # The Qwen3-4B shape alone (builds its 4 GB IR once: ~6 min, ~17 GB peak); its own report folder.
 bench-4b: $(STAMP)

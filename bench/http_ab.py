@@ -6,12 +6,11 @@ load-generator subprocess sends the same bursts of streamed requests (the same p
 the same number of new tokens) over gRPC and over HTTP (/v1/completions with SSE). Each round runs one burst
 of each kind, the order rotated; ratios are per round, then the median.
 
-The load generator runs at normal priority by default, unlike bench.grpc_ab's: a Python HTTP client (httpx,
-one SSE line parsed per token) needs several times the CPU of gRPC's C-core client, so at SCHED_IDLE it is
-starved while the inference threads hold both cores, reads late, and the figure measures the client, not
-the server (0.40x of gRPC at 32 streams that way, against 1.0x with a client that keeps up). At normal
-priority the client's CPU competes with inference for both protocols, which on a 2-core machine costs HTTP
-its heavier client; the CPU per token of the server and of the load generator, each recorded, separates the two.
+The load generator runs at normal priority by default, unlike bench.grpc_ab's: at SCHED_IDLE it only runs
+when the inference threads leave a core free, and on a machine loaded by other work the Python HTTP client
+(httpx, one SSE line parsed per token) then reads late and the figure measures the client, not the server.
+At normal priority the client's CPU (recorded per token, with the server's) competes with inference for
+both protocols alike.
 """
 
 from __future__ import annotations
