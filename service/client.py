@@ -41,8 +41,10 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     request_id: str | None = None,
     cache_salt: str | None = None,
+    speculation: str | None = None,
     **options,
 ) -> pb.GenerateRequest:
+    """speculation: "auto" or "off" (None: the server's default)."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise TypeError(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
@@ -55,6 +57,8 @@ def build_request(
         request.request_id = request_id
     if cache_salt is not None:
         request.cache_salt = cache_salt
+    if speculation is not None:
+        request.speculation = pb.Speculation.Value(f"SPECULATION_{speculation.upper()}")
     if messages is not None:
         request.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     if prompt is not None:

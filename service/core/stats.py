@@ -70,3 +70,4 @@ class EngineStats:
     sample_seconds_total: float = 0.0
     update_seconds_total: float = 0.0
     step_seconds_total: float = 0.0
+    step_overhead_tokens: float = 0.0  # the draft rule's F: a step's fixed cost in tokens' work, fitted live

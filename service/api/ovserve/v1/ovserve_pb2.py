@@ -24,37 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ovserve/v1/ovserve.proto\x12\novserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa2\x06\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.ovserve.v1.ChatMessage\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\r \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05top_p\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x10 \x01(\x04H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x12 \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x13 \x01(\x02H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x14 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x15 \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08H\x0c\x88\x01\x01\x12\x17\n\nignore_eos\x18\x17 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x08logprobs\x18\x18 \x01(\x05H\x0e\x88\x01\x01\x12\x17\n\ncache_salt\x18\x19 \x01(\tH\x0f\x88\x01\x01\x42\r\n\x0b_request_idB\t\n\x07_promptB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\r\n\x0b_cache_salt\"\x92\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x1a\n\x12\x64isk_prompt_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\"t\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xec\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.ovserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.ovserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.ovserve.v1.Timings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.ovserve.v1.TokenLogprob\"\xf2\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.ovserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.ovserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.ovserve.v1.Timings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.ovserve.v1.TokenLogprob\"X\n\x0fTokenizeRequest\x12\x11\n\x04text\x18\x01 \x01(\tH\x00\x88\x01\x01\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.ovserve.v1.ChatMessageB\x07\n\x05_text\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\x8b\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bnum_threads\x18\x06 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb7\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.ovserve.v1.GenerateRequest\x1a\x1c.ovserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.ovserve.v1.GenerateRequest\x1a\".ovserve.v1.GenerateStreamResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.ovserve.v1.TokenizeRequest\x1a\x1c.ovserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.ovserve.v1.GetModelInfoRequest\x1a\x15.ovserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ovserve/v1/ovserve.proto\x12\novserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd0\x06\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x00\x88\x01\x01\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.ovserve.v1.ChatMessage\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x1b\n\x0emax_new_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12\x18\n\x0btemperature\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x12\n\x05top_k\x18\r \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05top_p\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x10 \x01(\x04H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x12 \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x13 \x01(\x02H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x14 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x15 \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08H\x0c\x88\x01\x01\x12\x17\n\nignore_eos\x18\x17 \x01(\x08H\r\x88\x01\x01\x12\x15\n\x08logprobs\x18\x18 \x01(\x05H\x0e\x88\x01\x01\x12\x17\n\ncache_salt\x18\x19 \x01(\tH\x0f\x88\x01\x01\x12,\n\x0bspeculation\x18\x1a \x01(\x0e\x32\x17.ovserve.v1.SpeculationB\r\n\x0b_request_idB\t\n\x07_promptB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\r\n\x0b_cache_salt\"\x92\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x1a\n\x12\x64isk_prompt_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\"t\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xec\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.ovserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.ovserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.ovserve.v1.Timings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.ovserve.v1.TokenLogprob\"\xf2\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.ovserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.ovserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.ovserve.v1.Timings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.ovserve.v1.TokenLogprob\"X\n\x0fTokenizeRequest\x12\x11\n\x04text\x18\x01 \x01(\tH\x00\x88\x01\x01\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.ovserve.v1.ChatMessageB\x07\n\x05_text\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\x8b\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1c\n\x14max_new_tokens_limit\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bnum_threads\x18\x06 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x05\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\x05*U\n\x0bSpeculation\x12\x1b\n\x17SPECULATION_UNSPECIFIED\x10\x00\x12\x14\n\x10SPECULATION_AUTO\x10\x01\x12\x13\n\x0fSPECULATION_OFF\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb7\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.ovserve.v1.GenerateRequest\x1a\x1c.ovserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.ovserve.v1.GenerateRequest\x1a\".ovserve.v1.GenerateStreamResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.ovserve.v1.TokenizeRequest\x1a\x1c.ovserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.ovserve.v1.GetModelInfoRequest\x1a\x15.ovserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ovserve.v1.ovserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2160
-  _globals['_FINISHREASON']._serialized_end=2280
+  _globals['_SPECULATION']._serialized_start=2206
+  _globals['_SPECULATION']._serialized_end=2291
+  _globals['_FINISHREASON']._serialized_start=2293
+  _globals['_FINISHREASON']._serialized_end=2413
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_GENERATEREQUEST']._serialized_start=87
-  _globals['_GENERATEREQUEST']._serialized_end=889
-  _globals['_USAGE']._serialized_start=892
-  _globals['_USAGE']._serialized_end=1038
-  _globals['_TIMINGS']._serialized_start=1040
-  _globals['_TIMINGS']._serialized_end=1156
-  _globals['_TOKENLOGPROB']._serialized_start=1158
-  _globals['_TOKENLOGPROB']._serialized_end=1252
-  _globals['_GENERATERESPONSE']._serialized_start=1255
-  _globals['_GENERATERESPONSE']._serialized_end=1491
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1494
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1736
-  _globals['_TOKENIZEREQUEST']._serialized_start=1738
-  _globals['_TOKENIZEREQUEST']._serialized_end=1826
-  _globals['_TOKENIZERESPONSE']._serialized_start=1828
-  _globals['_TOKENIZERESPONSE']._serialized_end=1865
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1867
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1888
-  _globals['_MODELINFO']._serialized_start=1891
-  _globals['_MODELINFO']._serialized_end=2158
-  _globals['_GENERATION']._serialized_start=2283
-  _globals['_GENERATION']._serialized_end=2594
+  _globals['_GENERATEREQUEST']._serialized_end=935
+  _globals['_USAGE']._serialized_start=938
+  _globals['_USAGE']._serialized_end=1084
+  _globals['_TIMINGS']._serialized_start=1086
+  _globals['_TIMINGS']._serialized_end=1202
+  _globals['_TOKENLOGPROB']._serialized_start=1204
+  _globals['_TOKENLOGPROB']._serialized_end=1298
+  _globals['_GENERATERESPONSE']._serialized_start=1301
+  _globals['_GENERATERESPONSE']._serialized_end=1537
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1540
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1782
+  _globals['_TOKENIZEREQUEST']._serialized_start=1784
+  _globals['_TOKENIZEREQUEST']._serialized_end=1872
+  _globals['_TOKENIZERESPONSE']._serialized_start=1874
+  _globals['_TOKENIZERESPONSE']._serialized_end=1911
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1913
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1934
+  _globals['_MODELINFO']._serialized_start=1937
+  _globals['_MODELINFO']._serialized_end=2204
+  _globals['_GENERATION']._serialized_start=2416
+  _globals['_GENERATION']._serialized_end=2727
 # @@protoc_insertion_point(module_scope)
