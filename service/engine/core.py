@@ -131,7 +131,9 @@ class EngineCore:
         # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
         # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
         self.runner.execute([StepInput([0], 8, [0], 1)])
-        if self.config.speculative_tokens > 0:
+        # with speculation off by default, requests that opt in start from StepTimes' prior and the live
+        # steps (prompt chunks and decode steps differ in size) fit it: no server start pays for the warm-up
+        if self.config.speculative_tokens > 0 and self.config.speculation == "auto":
             self._measure_step_times()
             log.info("speculative decoding: a step's fixed cost is %.1f tokens' work", self.step_times.overhead)
         if self.disk_tier is not None:
