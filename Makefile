@@ -3,8 +3,9 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
+QWEN4B  := models/qwen3-4b-synthetic-int8
 
-.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
 install: $(STAMP)
 
@@ -73,9 +74,26 @@ bench-memory: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.memory_soak --model $(MODEL) --out bench/results-memory \
 		--variant capped --variant plugin-defaults:OVSERVE_KERNEL_CACHE_SHAPES=5000,ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024
 
-# Speculative decoding (prompt lookup) at one stream: ovserve and genai, each with and without, interleaved.
+# Speculative decoding (prompt lookup) at 1 to 32 streams: ovserve and genai, each with and without, interleaved.
+# The Qwen3-4B shape's cost curve (step time against tokens per step), opt-in: make bench-speculative-4b
 bench-speculative: $(STAMP) $(MODEL)/manifest.json
-	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8 --out bench/results-speculative/results.json
+	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8,32 --out bench/results-speculative/results.json
+
+bench-speculative-4b: $(STAMP)
+	@test -f $(QWEN4B)/manifest.json || { echo "run make bench-4b first: it builds $(QWEN4B)"; exit 1; }
+	$(PY) -m bench.speculative $(QWEN4B) --cost-curve --out bench/results-speculative/cost-curve-qwen3-4b.json
+
+# 4-bit weights against 8-bit: quality on SmolLM2's real weights (fp16, int8 and int4 conversions, held-out
+# English and Chinese texts) and batch-1 decode speed on the Qwen3-4B shape, whose int8 IR and random-weight
+# checkpoint `make bench-4b` builds (the int4 IR is converted from that checkpoint: ~13 min, ~14 GB peak).
+bench-int4: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m convert smollm2 models/smollm2-135m-fp16 --weight-format fp16
+	$(PY) -m convert smollm2 models/smollm2-135m-int4 --weight-format int4
+	$(PY) -m bench.int4 quality models/smollm2-135m-fp16 $(MODEL) models/smollm2-135m-int4 \
+		--out bench/results-int4/quality-smollm2.json
+	@test -f $(QWEN4B)/manifest.json || { echo "run make bench-4b first: it builds $(QWEN4B)"; exit 1; }
+	$(PY) -m convert models/.qwen3-4b-synthetic-int8-hf models/qwen3-4b-synthetic-int4 --weight-format int4
+	$(PY) -m bench.int4 speed $(QWEN4B) models/qwen3-4b-synthetic-int4 --out bench/results-int4/speed-qwen3-4b.json
 
 # Decoding under a JSON schema against plain decoding at 1 and 32 streams, and the grammar mask's time per step.
 bench-structured: $(STAMP) $(MODEL)/manifest.json

@@ -3,7 +3,8 @@
 Engines load side by side in this process and take turns on the same prompts, greedy, stopping at eos as
 they would in use, up to --max-new-tokens each, so that all see the same background load:
 
-- ovserve without and with speculation (`--speculative-tokens K`, its cost rule deciding per step);
+- ovserve without and with speculation (`--speculation auto --speculative-tokens K`, its cost rule deciding
+  per step);
 - openvino-genai's LLMPipeline without and with prompt_lookup (one stream only);
 - openvino-genai's ContinuousBatchingPipeline without and with prompt lookup (the `prompt_lookup` property).
 
@@ -38,7 +39,12 @@ Generate = Callable[[list[list[int]], int], list[list[int]]]  # prompts, max new
 
 def ours(model: str, k: int, ngram: int) -> Any:
     # speculative_max_seqs at its largest: the cost rule alone decides how many drafts pay at each load
-    settings = {"speculative_tokens": k, "speculative_ngram": ngram, "speculative_max_seqs": 32}
+    settings = {
+        "speculation": "auto" if k else "off",
+        "speculative_tokens": k,
+        "prompt_lookup_max_ngram": ngram,
+        "speculative_max_seqs": 32,
+    }
     return workers.our_engine(
         {"model": model, "budget": workers.budget_dict(workers.BUDGET)}, prefix_caching=False, settings=settings
     )
@@ -119,6 +125,36 @@ def cb_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Generate:
     return generate
 
 
+def cost_curve(model: str, batches: tuple[int, ...], max_drafts: int, repeats: int) -> dict[str, Any]:
+    """Step time against tokens per step: `batch` decoding sequences (a 64-token context each) each feeding
+    its last token plus 0..max_drafts drafts, every logits row wanted, as verify steps do. Median of
+    `repeats` after one unmeasured step per shape; also as a multiple of the step without drafts."""
+    from service.core.config import EngineConfig
+    from service.runner import ModelRunner, StepInput
+
+    runner = ModelRunner(Path(model) / "openvino_model.xml", EngineConfig(kv_cache_gb=0.25))
+    context = 64
+    per_seq = -(-(context + max_drafts + 1) // runner.block_size)
+    curve: dict[str, Any] = {}
+    for batch in batches:
+        rows = []
+        for drafts in range(max_drafts + 1):
+            n = 1 + drafts
+            seqs = [StepInput([1] * n, context, list(range(i * per_seq, (i + 1) * per_seq)), n) for i in range(batch)]
+            runner.execute(seqs)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.execute(seqs)
+                times.append(time.perf_counter() - t0)
+            rows.append({"tokens": batch * n, "drafts_per_seq": drafts, "seconds": round(median(times), 4)})
+        for row in rows:
+            row["x_plain_step"] = round(row["seconds"] / rows[0]["seconds"], 3)
+        curve[str(batch)] = rows
+        print(f"batch {batch}: " + ", ".join(f"{r['tokens']} tok {r['seconds']:.3f}s" for r in rows), flush=True)
+    return {"model": model, "context": context, "repeats": repeats, "load": os.getloadavg(), "batches": curve}
+
+
 def median_ratio(a: list[float], b: list[float]) -> float:
     """The median of the per-round ratios a[i] / b[i]."""
     return median(x / y for x, y in zip(a, b, strict=True))
@@ -172,8 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram matched (genai: max_ngram_size)")
     p.add_argument("--no-llm-pipeline", action="store_true", help="leave genai's LLMPipeline out")
     p.add_argument("--ours-only", action="store_true", help="ovserve without and with speculation only")
+    p.add_argument(
+        "--cost-curve",
+        action="store_true",
+        help="only measure step time against tokens per step (batch 1 and 8, 0..K drafts each), e.g. on the "
+        "Qwen3-4B shape",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
+    if a.cost_curve:
+        curve = cost_curve(a.model, (1, 8), a.k, repeats=3)
+        if a.out:
+            Path(a.out).write_text(json.dumps(curve, indent=1))
+        return 0
     streams = [int(s) for s in a.streams.split(",")]
     ours_plain, ours_lookup = ours(a.model, 0, a.ngram), ours(a.model, a.k, a.ngram)
     engines: dict[str, Generate] = {"ovserve": ours_generate(ours_plain), "ovserve+lookup": ours_generate(ours_lookup)}
@@ -190,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,
         "load_before": os.getloadavg(),
-        "ovserve_step_overhead_tokens": round(ours_lookup.core.scheduler.step_overhead_tokens, 2),
+        "ovserve_step_overhead_tokens": round(ours_lookup.core.step_times.overhead, 2),  # at warm-up
         "workloads": {},
     }
     try:
@@ -212,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ovserve_drafts": drafts,
                     "ovserve_acceptance": round(accepted / max(1, drafts), 3),
                     "ovserve_tokens_per_verify_step": round(1 + accepted / max(1, verify_steps), 2),
+                    "ovserve_step_overhead_tokens": round(ours_lookup.core.step_times.overhead, 2),  # live fit
                     "load": os.getloadavg(),
                     "tokens_per_s": measured["rates"],
                 }

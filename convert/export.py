@@ -25,6 +25,7 @@ log = logging.getLogger("convert")
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "granite")
 TOOLS = ("openvino", "optimum-intel", "nncf", "transformers", "torch")
+GROUP_SIZE_FALLBACK = "adjust"  # int4 layers whose channels the group size does not divide
 EMBEDDED_DEFAULT = "smollm2"
 LOW_SPACE_BYTES = 64 << 20
 # Part of a conversion's identity: bump it when the files written change, so old outputs are redone.
@@ -185,6 +186,11 @@ def _quantization_config(options: Options):
         kwargs["group_size"] = options.group_size
     if options.ratio is not None:
         kwargs["ratio"] = options.ratio
+    if bits == 4:
+        # A group size must divide the layer's input channels; SmolLM2's 576 does not divide by the default 128.
+        # Such layers get the largest group size that divides them (at least 32, else int8), as optimum's own
+        # int4 presets do, instead of failing the whole conversion.
+        kwargs["group_size_fallback"] = GROUP_SIZE_FALLBACK
     return OVWeightQuantizationConfig(**kwargs)
 
 
@@ -356,6 +362,7 @@ def _write_manifest(work: Path, identity: dict, options: Options, stats, vocab_s
             "mode": f"{options.weight_format}_{'sym' if options.sym else 'asym'}",
             "group_size": options.group_size,
             "ratio": options.ratio,
+            **({"group_size_fallback": GROUP_SIZE_FALLBACK} if options.weight_format == "int4" else {}),
         },
         "tools": {t: _version(t) for t in TOOLS},
         "vocab_size": vocab_size,

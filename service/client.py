@@ -44,8 +44,10 @@ def build_request(
     response_format: pb.ResponseFormat | None = None,
     tools: Sequence[pb.Tool] = (),
     tool_choice: pb.ToolChoice | None = None,
+    speculation: str | None = None,
     **options,
 ) -> pb.GenerateRequest:
+    """speculation: "auto" or "off" (None: the server's default)."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise TypeError(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
@@ -58,6 +60,8 @@ def build_request(
         request.request_id = request_id
     if cache_salt is not None:
         request.cache_salt = cache_salt
+    if speculation is not None:
+        request.speculation = pb.Speculation.Value(f"SPECULATION_{speculation.upper()}")
     if messages is not None:
         request.messages.extend(chat_message(m) for m in messages)
     if response_format is not None:

@@ -5,6 +5,7 @@ never touches prometheus-client."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -44,7 +45,10 @@ class Metrics:
             registry=r,
         )
         self.itl = Histogram(
-            "ovserve_inter_token_latency_seconds", "Time between tokens of a request", buckets=TOKEN_BUCKETS, registry=r
+            "ovserve_inter_token_latency_seconds",
+            "Time between tokens of a request after its first; tokens that arrive together share the gap",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
             "ovserve_request_latency_seconds",
@@ -62,8 +66,15 @@ class Metrics:
     def attach(self, engine) -> None:
         self._engine.engine = engine
 
-    def observe_token(self, seconds: float, first: bool) -> None:
-        (self.ttft if first else self.itl).observe(seconds)
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_tokens(self, seconds: float, num_tokens: int) -> None:
+        """num_tokens arrived together, seconds after the request's previous ones: each counts the gap's
+        share (as vLLM counts the tokens of a speculative step), so the histogram's sum is the time spent
+        decoding and its count the tokens decoded."""
+        for _ in range(num_tokens):
+            self.itl.observe(seconds / num_tokens)
 
     def observe_rpc(self, rpc: str, code: str, seconds: float, output: RequestOutput | None = None) -> None:
         self.requests.labels(rpc, code).inc()
@@ -90,17 +101,23 @@ class Metrics:
 
 
 class TokenClock:
-    """Time to first token and inter-token latency of one request, observed as its outputs arrive."""
+    """Time to first token and inter-token latency of one request, observed as its outputs arrive. The first
+    output gives the time to first token only, even when it holds several tokens (a prefix-cache hit can
+    verify drafts in the request's first step): those came with the first, not after it."""
 
-    def __init__(self, metrics: Metrics, started: float) -> None:
-        self.metrics, self.last = metrics, started
+    def __init__(self, metrics: Metrics, started: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.metrics, self.last, self.clock = metrics, started, clock
         self.first = True
 
     def tick(self, out: RequestOutput) -> None:
-        if out.token_ids:
-            now = time.monotonic()
-            self.metrics.observe_token(now - self.last, first=self.first)
-            self.last, self.first = now, False
+        if not out.token_ids:
+            return
+        now = self.clock()
+        if self.first:
+            self.metrics.observe_first_token(now - self.last)
+        else:
+            self.metrics.observe_tokens(now - self.last, len(out.token_ids))
+        self.last, self.first = now, False
 
 
 class EngineCollector:
@@ -126,6 +143,12 @@ class EngineCollector:
             ),
             ("ovserve_step_seconds", "Duration of the last engine step", s.last_step_seconds),
             ("ovserve_tokens_per_step", "Tokens computed in the last engine step", s.tokens_per_step),
+            (
+                "ovserve_spec_step_overhead_tokens",
+                "A step's fixed cost in units of one token's work, fitted to recent step times (the speculative "
+                "draft rule's F)",
+                s.step_overhead_tokens,
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
             if name in EPP_ALIASES:

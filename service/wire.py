@@ -96,10 +96,22 @@ def request_label(request: pb.GenerateRequest) -> str | None:
     return request.request_id if request.HasField("request_id") else None
 
 
+SPECULATION = {pb.SPECULATION_UNSPECIFIED: None, pb.SPECULATION_AUTO: "auto", pb.SPECULATION_OFF: "off"}
+
+
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; validation is the engine's."""
     fields = {name: getattr(request, name) for name in SAMPLING_FIELDS if request.HasField(name)}
-    return SamplingParams(**fields, stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids))
+    if request.speculation not in SPECULATION:  # proto3 enums take any number off the wire
+        raise InvalidArgument(
+            "speculation", f"must be SPECULATION_AUTO or SPECULATION_OFF (or unset), got {request.speculation}"
+        )
+    return SamplingParams(
+        **fields,
+        stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids),
+        speculation=SPECULATION[request.speculation],
+    )
 
 
 def chat_messages(messages: Iterable[pb.ChatMessage]) -> list[dict[str, Any]]:

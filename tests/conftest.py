@@ -49,3 +49,9 @@ def tiny_qwen3_fp16_ir(tiny_qwen3_hf) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_ir() -> Path:
     return _converted("smollm2-135m-int8", "smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_int4_ir(tiny_qwen3_hf) -> Path:
+    """4-bit weights (NNCF int4_asym, group size 128, on the layers it can group; int8 on the rest)."""
+    return _converted("test-tiny-qwen3-int4", str(tiny_qwen3_hf), "--weight-format", "int4")

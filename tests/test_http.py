@@ -132,6 +132,8 @@ def test_logprobs(sdk, model):
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"extra_body": {"min_tokens": 99}, "max_tokens": 5}, "min_tokens"),
         ({"extra_body": {"top_k": "5"}}, "top_k"),
+        ({"extra_body": {"speculation": "always"}}, "speculation"),
+        ({"extra_body": {"speculation": True}}, "speculation"),
     ],
 )
 def test_invalid_fields_are_bad_requests_naming_the_field(sdk, model, kwargs, param):

@@ -19,6 +19,7 @@ from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogp
 from service.core.params import SamplingParams
 from service.engine import ModelInfo
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, Unavailable
+from service.metrics import Metrics, TokenClock
 from service.server import Server, authorized, start_server, status_details, status_of
 from service.wire import prompt_input, sampling_params, stream_response, tokenize_ids, unary_response
 from tests.conftest import ROOT
@@ -454,3 +455,18 @@ def test_model_files_refuse_out_of_range_sampling_defaults_naming_the_file(tmp_p
     (tmp_path / "generation_config.json").write_text(json.dumps({field: value}))
     with pytest.raises(ValueError, match=rf"generation_config\.json: {field}: "):
         _ = ModelFiles.read(tmp_path).sampling_defaults
+
+
+def test_tokens_that_arrive_together_share_the_inter_token_gap():
+    """As vLLM counts them: 3 tokens 3 s after the previous output are three latencies of 1 s."""
+    metrics = Metrics()
+    now = iter([1.0, 4.0, 6.0, 7.0])
+    clock = TokenClock(metrics, started=0.0, clock=lambda: next(now))
+    for ids in ((1,), (2, 3, 4), (5, 6), ()):  # an output without tokens (the final one may be) is no tick
+        clock.tick(RequestOutput("r", ids, ""))
+    value = metrics.registry.get_sample_value
+    assert value("ovserve_time_to_first_token_seconds_count") == 1
+    assert value("ovserve_time_to_first_token_seconds_sum") == 1.0
+    assert value("ovserve_inter_token_latency_seconds_count") == 5
+    assert value("ovserve_inter_token_latency_seconds_sum") == 5.0
+    assert value("ovserve_inter_token_latency_seconds_bucket", {"le": "1.0"}) == 5

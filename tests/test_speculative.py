@@ -4,9 +4,14 @@ model; then on a real model, greedy output with speculation equals greedy output
 import asyncio
 import itertools
 
+import httpx
 import numpy as np
 import pytest
 
+from service import wire
+from service.api.ovserve.v1 import ovserve_pb2 as pb
+from service.client import Client, build_request
+from service.config import parse_args
 from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
@@ -14,8 +19,10 @@ from service.core.params import SamplingParams
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler
-from service.core.speculative import RETRY_FIRST, DraftStats, PromptLookup, StepCost, accept_greedy
+from service.core.speculative import RETRY_FIRST, DraftStats, PromptLookup, StepCost, StepTimes, accept_greedy
 from service.engine import Engine
+from service.errors import InvalidArgument
+from tests.test_server import TIMEOUT, Running, base_config, free_port
 
 IDS = itertools.count()
 BS = 4
@@ -41,11 +48,13 @@ def test_accept_greedy_keeps_the_agreeing_run_and_the_models_token():
 def scheduler(k=3, max_seqs=4, num_blocks=32, max_model_len=64, overhead=1000.0) -> Scheduler:
     """overhead: a step's fixed cost in tokens; large, drafts always pay (tests of the mechanics)."""
     config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=64, speculative_tokens=k, speculative_max_seqs=max_seqs
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        speculation="auto",
+        speculative_tokens=k,
+        speculative_max_seqs=max_seqs,
     )
-    s = Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len)
-    s.step_overhead_tokens = overhead
-    return s
+    return Scheduler(config, KVCacheManager(num_blocks, BS), max_model_len, step_times=StepTimes(overhead))
 
 
 def decoding(s: Scheduler, prompt, **params) -> Request:
@@ -259,7 +268,7 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir):
     """Uncompressed weights and an f16 cache: a k+1-token verify step must reproduce one-token decoding."""
     prompts = [TEXT, TEXT[10:] + TEXT[:10], [5, 6, 7] * 12]
     plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40)
-    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 40, speculative_tokens=4)
+    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 40, speculative_tokens=4, speculation="auto")
     assert fast == plain
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     # each verify step yields its kept drafts and one token; every other step one token per request
@@ -276,7 +285,7 @@ def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwe
     ]
     prompts = [TEXT, [5, 6, 7] * 12, TEXT[10:] + TEXT[:10]]
     plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 0, params)
-    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 0, params, speculative_tokens=4)
+    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 0, params, speculative_tokens=4, speculation="auto")
     assert [fast[0], fast[2]] == [plain[0], plain[2]]
     assert [t[:2] for t in fast[1]] == [t[:2] for t in plain[1]]
     assert [t[2] for t in fast[1]] == pytest.approx([t[2] for t in plain[1]], abs=1e-3)
@@ -292,8 +301,9 @@ def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir)
     )  # a low temperature: the random model's output then repeats its prompt now and then, so drafts are kept
     crowd = [SamplingParams(max_new_tokens=30, temperature=t, seed=None, ignore_eos=True) for t in (0.0, 0.9, 0.3)]
     others = [[5, 6, 7] * 12, TEXT[20:], TEXT[5:40]]
-    (alone,), stats = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded], speculative_tokens=4)
-    crowded, _ = outputs(tiny_qwen3_fp16_ir, [*others, TEXT], 0, [*crowd, seeded], speculative_tokens=4)
+    (alone,), stats = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded], speculative_tokens=4, speculation="auto")
+    spec = {"speculative_tokens": 4, "speculation": "auto"}
+    crowded, _ = outputs(tiny_qwen3_fp16_ir, [*others, TEXT], 0, [*crowd, seeded], **spec)
     (plain,), _ = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded])
     assert stats.num_accepted_tokens > 0, stats  # some drafts were kept: the sampled path ran
     for reply in (crowded[-1], plain):  # logprobs agree to rounding: the step shapes differ
@@ -367,3 +377,138 @@ def test_drafts_never_preempt_and_leave_others_their_block():
     assert s.num_preemptions == 0 and not plan.preempted
     assert [c.request for c in plan.chunks] == [a, b]
     assert plan.chunks[0].drafts == ()  # the free block is b's to grow into, not a's drafts'
+
+
+# -- the per-request switch ------------------------------------------------------------------------------
+def test_a_request_with_speculation_off_gets_no_drafts():
+    s = scheduler()
+    off = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9], speculation="off")
+    auto = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the server's default here: auto
+    drafts = {c.request.id: c.drafts for c in s.schedule().chunks}
+    assert drafts[off.id] == () and drafts[auto.id] == (6, 7, 8)
+
+
+def test_the_servers_default_applies_to_requests_that_do_not_choose():
+    config = EngineConfig(speculation="off", speculative_tokens=3)
+    s = Scheduler(config, KVCacheManager(32, BS), 64, step_times=StepTimes(1000.0))
+    default = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    auto = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9], speculation="auto")  # a request may opt in
+    drafts = {c.request.id: c.drafts for c in s.schedule().chunks}
+    assert drafts[default.id] == () and drafts[auto.id] == (6, 7, 8)
+    s.speculative_tokens = 0  # no drafts at all, whatever a request asks
+    assert all(c.drafts == () for c in s.schedule().chunks)
+
+
+@pytest.mark.parametrize("value", ["fast", "", "AUTO"])
+def test_an_unknown_speculation_value_is_refused_naming_the_field(value):
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(speculation=value).validate(1000, 1000)
+    assert err.value.field == "speculation" and "auto, off" in str(err.value)
+
+
+def test_the_grpc_field_maps_onto_the_params():
+    assert wire.sampling_params(pb.GenerateRequest()).speculation is None
+    assert wire.sampling_params(pb.GenerateRequest(speculation=pb.SPECULATION_OFF)).speculation == "off"
+    assert build_request(prompt="x", speculation="auto").speculation == pb.SPECULATION_AUTO
+    with pytest.raises(InvalidArgument) as err:  # an enum number this server does not know
+        wire.sampling_params(pb.GenerateRequest(speculation=7))
+    assert err.value.field == "speculation"
+
+
+def test_speculation_flags(monkeypatch):
+    config = parse_args(["--model", "m", "--speculation", "auto", "--prompt-lookup-min-ngram", "2"], env={})
+    assert (config.engine.speculation, config.engine.prompt_lookup_min_ngram) == ("auto", 2)
+    assert parse_args(["--model", "m"], env={"OVSERVE_SPECULATION": "auto"}).engine.speculation == "auto"
+    for argv in (["--speculation", "on"], ["--prompt-lookup-min-ngram", "4", "--prompt-lookup-max-ngram", "3"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", *argv], env={})
+
+
+def test_prompt_lookup_matches_no_suffix_shorter_than_min_ngram():
+    tokens = [5, 6, 7, 8, 6]  # only the 1-gram [6] recurs
+    assert PromptLookup(max_ngram=3, min_ngram=1).propose(tokens, 2) == [7, 8]
+    assert PromptLookup(max_ngram=3, min_ngram=2).propose(tokens, 2) == []
+
+
+def test_off_requests_on_a_real_server_verify_no_drafts(tiny_qwen3_fp16_ir):
+    """One server with auto by default: the same prompt accepts drafts with the default and with auto, none
+    with off (over gRPC and HTTP), and the tokens are the same (uncompressed weights, f16 cache)."""
+    spec = {"speculation": "auto", "speculative_tokens": 4}
+    running = Running(base_config(tiny_qwen3_fp16_ir, **spec, kv_cache_precision="f16", http_port=free_port()))
+    # the random model's greedy reply to this prompt repeats a 4-token run of its own: lookup finds it
+    prompt = [5, 6, 7, 8] * 10
+    try:
+        request = {"prompt_token_ids": prompt, "max_new_tokens": 40, "ignore_eos": True, "timeout": TIMEOUT}
+        with Client(running.target) as client:
+            default = client.generate(**request)
+            drafts_before = running.engine.stats().num_draft_tokens
+            off = client.generate(**request, speculation="off")
+            drafts_after_off = running.engine.stats().num_draft_tokens
+            auto = client.generate(**request, speculation="auto")
+        assert default.usage.accepted_draft_tokens > 0 and auto.usage.accepted_draft_tokens > 0
+        assert off.usage.accepted_draft_tokens == 0 and drafts_after_off == drafts_before  # none was even proposed
+        assert list(off.token_ids) == list(default.token_ids) == list(auto.token_ids)
+
+        url = f"http://127.0.0.1:{running.server.http.port}/v1/completions"
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+        def accepted(**extra):
+            reply = httpx.post(url, json=body | extra, timeout=TIMEOUT)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+
+        assert accepted(speculation="off") == 0 and accepted(speculation="auto") > 0
+        refused = httpx.post(url, json=body | {"speculation": "always"}, timeout=TIMEOUT)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "speculation"
+    finally:
+        running.stop()
+
+
+def test_a_request_may_opt_in_when_the_server_default_is_off(tiny_qwen3_fp16_ir):
+    auto = SamplingParams(max_new_tokens=40, ignore_eos=True, speculation="auto")
+    plain = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompt = [5, 6, 7, 8] * 10
+    (with_auto, without), stats = outputs(tiny_qwen3_fp16_ir, [prompt, prompt], 0, [auto, plain], speculative_tokens=4)
+    assert with_auto == without and stats.num_accepted_tokens > 0, stats
+
+
+# -- the cost model, kept up to date ---------------------------------------------------------------------
+def feed(times: StepTimes, seconds_of, sizes=(1, 2, 4, 6), rounds=100) -> None:
+    for _ in range(rounds):
+        for n in sizes:
+            times.observe(n, seconds_of(n))
+
+
+def test_step_times_fit_the_fixed_cost_and_follow_a_change():
+    times = StepTimes(overhead=8.0)
+    feed(times, lambda n: 0.010 + 0.001 * n)  # F = 10
+    assert times.overhead == pytest.approx(10.0, rel=1e-6)
+    feed(times, lambda n: 0.030 + 0.006 * n, rounds=300)  # the machine changed: F = 5
+    assert times.overhead == pytest.approx(5.0, rel=0.02)
+
+
+def test_step_times_need_steps_of_different_sizes():
+    times = StepTimes(overhead=8.0)
+    feed(times, lambda n: 0.01, sizes=(1,))  # every step the same size: no slope to see
+    assert times.overhead == 8.0 and times.predict(1) is None
+    feed(times, lambda n: 0.010 + 0.001 * n, sizes=(1, 32), rounds=3)
+    assert times.overhead > 8.0  # 1- and 32-token steps (the warm-up's): a line through them
+    long_prompt = times.predict(400)
+    times.observe(400, 10.0)  # beyond max_tokens: not the steps drafts are decided in
+    assert times.predict(400) == long_prompt
+
+
+def test_one_wild_step_moves_the_estimate_little_and_it_stays_bounded():
+    times = StepTimes()
+    feed(times, lambda n: 0.010 + 0.001 * n)
+    times.observe(1, 5.0)  # a stall 450 times the usual: counted as 1.5 times the line
+    assert 9.0 < times.overhead < 11.0
+    flat = StepTimes()
+    feed(flat, lambda n: 1.0 + 1e-6 * n)  # the fixed part is everything
+    assert flat.overhead == StepTimes.MAX
+    steep = StepTimes()
+    feed(steep, lambda n: 0.001 * n)  # no fixed part at all
+    assert steep.overhead == StepTimes.MIN
+    noisy = StepTimes(overhead=8.0)
+    feed(noisy, lambda n: 0.02 - 0.001 * n)  # bigger steps faster: nothing to learn
+    assert noisy.overhead == 8.0

@@ -214,7 +214,7 @@ def test_tools_need_a_template_that_renders_them(smol):
 def test_grammar_with_speculative_decoding(smollm2_ir):
     """Prompt lookup proposes drafts copied from the prompt; those the grammar forbids are never offered, the
     kept ones count, and every reply is still valid."""
-    running = Running(base_config(smollm2_ir, speculative_tokens=4))
+    running = Running(base_config(smollm2_ir, speculation="auto", speculative_tokens=4))
     schema = SCHEMAS["enum_and_array"]
     example = '{"color": "green", "tags": ["a", "b"]} ' * 6 + "plain words that no grammar here admits " * 4
     try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.core.params import SPECULATION_MODES
+
 
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A dataclass field carrying its command-line help (and allowed values) in its metadata."""
@@ -53,12 +55,20 @@ class EngineConfig:
     kv_disk_ttl_seconds: float = setting(
         0.0, "remove disk-tier blocks unused for this long (0: only when space runs out)"
     )
-    speculative_tokens: int = setting(
-        0,
-        "draft tokens proposed per decoding request by prompt lookup and verified in the same step; 0 turns "
-        "speculation off",
+    speculation: str = setting(
+        "off",
+        "speculative decoding for requests that do not choose (their `speculation` field): auto verifies draft "
+        "tokens found by prompt lookup in the same step when the cost model expects them to pay; off decodes "
+        "one token per step. Off by default: open-ended writing loses a few percent with it (docs/BENCH.md)",
+        SPECULATION_MODES,
     )
-    speculative_ngram: int = setting(3, "longest n-gram of a request's tokens that prompt lookup matches")
+    speculative_tokens: int = setting(
+        5,
+        "draft tokens per decoding request at most, proposed by prompt lookup over the request's prompt and "
+        "output and verified in the same step; 0 turns speculation off whatever requests ask",
+    )
+    prompt_lookup_max_ngram: int = setting(3, "longest suffix of a request's tokens that prompt lookup matches")
+    prompt_lookup_min_ngram: int = setting(1, "shortest suffix of a request's tokens that prompt lookup matches")
     speculative_max_seqs: int = setting(
         4, "speculate only while at most this many requests run: a larger batch already reads each weight for many"
     )
@@ -87,8 +97,13 @@ class EngineConfig:
                 "kv_disk_dir needs prefix caching: it stores the prefix cache's blocks",
             ),
             (self.kernel_cache_shapes >= 1, "kernel_cache_shapes must be at least 1"),
+            (self.speculation in SPECULATION_MODES, f"speculation must be one of {', '.join(SPECULATION_MODES)}"),
             (self.speculative_tokens >= 0, "speculative_tokens must be >= 0"),
-            (self.speculative_ngram >= 1, "speculative_ngram must be at least 1"),
+            (self.prompt_lookup_min_ngram >= 1, "prompt_lookup_min_ngram must be at least 1"),
+            (
+                self.prompt_lookup_max_ngram >= self.prompt_lookup_min_ngram,
+                "prompt_lookup_max_ngram must be at least prompt_lookup_min_ngram",
+            ),
             (self.speculative_max_seqs >= 1, "speculative_max_seqs must be at least 1"),
         ]
         return [message for ok, message in checks if not ok]

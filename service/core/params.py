@@ -9,6 +9,8 @@ from service.errors import InvalidArgument
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+# A request's speculative decoding: "auto" (when the cost model expects it to pay) or "off".
+SPECULATION_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int = 0  # top-N logprobs per generated token; 0: none
+    speculation: str | None = None  # one of SPECULATION_MODES; None: the server's --speculation
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)  # filled in by the engine
 
     @property
@@ -82,6 +85,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(0 <= t < vocab_size, "stop_token_ids", f"each id must be in [0, {vocab_size}), got {t}")
         _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(
+            self.speculation is None or self.speculation in SPECULATION_MODES,
+            "speculation",
+            f"must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}",
+        )
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

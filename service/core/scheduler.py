@@ -30,7 +30,7 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-from service.core.speculative import PromptLookup, Proposer, StepCost
+from service.core.speculative import PromptLookup, Proposer, StepCost, StepTimes
 from service.core.stop import stop_reason
 
 
@@ -107,13 +107,15 @@ class Scheduler:
         max_model_len: int,
         proposer: Proposer | None = None,
         disk: DiskLookup | None = None,
+        step_times: StepTimes | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.speculative_tokens = config.speculative_tokens
         self.speculative_max_seqs = config.speculative_max_seqs
-        self.proposer = proposer or PromptLookup(config.speculative_ngram)
-        # a step's fixed cost in units of one token's work: the engine measures it at warm-up
-        self.step_overhead_tokens = 8.0
+        self.speculation = config.speculation  # for requests that do not choose
+        self.proposer = proposer or PromptLookup(config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram)
+        # a step's fixed cost in units of one token's work: the engine feeds it the times of its steps
+        self.step_times = step_times or StepTimes()
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv
@@ -237,7 +239,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, plan):
                 continue
-            drafts = self._drafts(request, budget - num_new, cost) if cost and num_new == 1 else ()
+            speculates = cost is not None and num_new == 1 and self._speculates(request)
+            drafts = self._drafts(request, budget - num_new, cost) if cost and speculates else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running
             # request its block to grow into
             target = request.num_computed_tokens + num_new + len(drafts)
@@ -339,7 +342,10 @@ class Scheduler:
                 break
             tokens += num_new
             sampled += request.num_computed_tokens + num_new == request.num_tokens
-        return StepCost(self.step_overhead_tokens, tokens, max(1, sampled))
+        return StepCost(self.step_times.overhead, tokens, max(1, sampled))
+
+    def _speculates(self, request: Request) -> bool:
+        return (request.params.speculation or self.speculation) == "auto"
 
     def _drafts(self, request: Request, room: int, cost: StepCost) -> tuple[int, ...]:
         """Draft tokens for a decoding request: as many as raise the step's tokens per second given its

@@ -120,6 +120,62 @@ class StepCost:
         self.produced += sum(acceptance**j for j in range(1, num_drafts + 1))
 
 
+class StepTimes:
+    """A step's fixed cost F (StepCost.overhead), fitted to the times of the steps the engine runs.
+
+    A step of T tokens takes about a + b * T seconds, so F = a / b. The fit is least squares over the
+    observed steps, each weighing DECAY of the one after it, so F follows the machine as other work comes
+    and goes (a loaded machine changes the balance between reading the weights and computing). Only steps
+    of at most max_tokens tokens are fitted: drafts are decided in small steps, and a long prompt chunk
+    (attention over its whole length, a different kernel path) would pull the line away from them. F
+    moves only while the recent steps differ enough in size to show a slope; a step time more than
+    CLIP times off the current line counts as CLIP times (a scheduler hiccup or a first-time kernel
+    compile must not swing the rule); F stays within [MIN, MAX]."""
+
+    DECAY = 0.99  # about the last hundred steps count
+    CLIP = 1.5
+    MIN, MAX = 1.0, 64.0
+    MIN_SPREAD = 1.0  # the weighted standard deviation of T, in tokens, needed to fit a slope
+
+    def __init__(self, overhead: float = 8.0, max_tokens: int = 64) -> None:
+        self.overhead = overhead
+        self.max_tokens = max_tokens
+        self.intercept: float | None = None  # a and b of the current fit, in seconds
+        self.slope: float | None = None
+        self.num_observed = 0
+        self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums of 1, T, t, T^2, T*t
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One step of `tokens` tokens took `seconds` (its model execution, not the Python around it)."""
+        if not 1 <= tokens <= self.max_tokens or seconds <= 0:
+            return
+        predicted = self.predict(tokens)
+        if predicted is not None and predicted > 0:
+            seconds = min(max(seconds, predicted / self.CLIP), predicted * self.CLIP)
+        d = self.DECAY
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + tokens, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + tokens * tokens, d * self._xy + tokens * seconds
+        self.num_observed += 1
+        self._fit()
+
+    def predict(self, tokens: int) -> float | None:
+        """The fitted seconds of a step of `tokens` tokens; None before the first fit."""
+        if self.intercept is None or self.slope is None:
+            return None
+        return self.intercept + self.slope * tokens
+
+    def _fit(self) -> None:
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x < self.MIN_SPREAD**2:
+            return
+        slope = (self._xy / self._w - mean_x * mean_y) / var_x
+        if slope <= 0:  # noise, or steps that got faster with more tokens: nothing to learn about F
+            return
+        self.slope, self.intercept = slope, mean_y - slope * mean_x
+        self.overhead = min(max(self.intercept / slope, self.MIN), self.MAX)
+
+
 def accept_greedy(drafts: Sequence[int], model_tokens: Sequence[int]) -> list[int]:
     """model_tokens[i] is the model's greedy token after the last token and drafts[:i]. Returns the drafts
     the model agrees with, then its own token at the first disagreement (or after the last draft)."""

@@ -71,3 +71,4 @@ class EngineStats:
     update_seconds_total: float = 0.0
     mask_seconds_total: float = 0.0  # computing grammar masks (response formats, tool calls)
     step_seconds_total: float = 0.0
+    step_overhead_tokens: float = 0.0  # the draft rule's F: a step's fixed cost in tokens' work, fitted live

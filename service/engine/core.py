@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import queue
-import statistics
 import threading
 import time
 from collections import deque
@@ -30,6 +29,7 @@ from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
+from service.core.speculative import StepTimes
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
@@ -95,7 +95,9 @@ class EngineCore:
                 Path(config.kv_disk_dir), identity, int(config.kv_disk_gb * 2**30), config.kv_disk_ttl_seconds
             )
             self.disk_tier = KVDiskTier(store, self.runner.cache_arrays(), self._commands.put)
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.disk_tier)
+        # a step's cost against its tokens, for the draft rule: measured at warm-up, refitted after every step
+        self.step_times = StepTimes()
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.disk_tier, step_times=self.step_times)
         self.info = ModelInfo(
             model_id=model.model_id,
             model_dir=str(model.path),
@@ -136,34 +138,31 @@ class EngineCore:
         # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
         # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
         self.runner.execute([StepInput([0], 8, [0], 1)])
-        if self.config.speculative_tokens > 0:
-            self.scheduler.step_overhead_tokens = self._measure_step_overhead()
-            log.info(
-                "speculative decoding: a step's fixed cost is %.1f tokens' work", self.scheduler.step_overhead_tokens
-            )
+        # with speculation off by default, requests that opt in start from StepTimes' prior and the live
+        # steps (prompt chunks and decode steps differ in size) fit it: no server start pays for the warm-up
+        if self.config.speculative_tokens > 0 and self.config.speculation == "auto":
+            self._measure_step_times()
+            log.info("speculative decoding: a step's fixed cost is %.1f tokens' work", self.step_times.overhead)
         if self.disk_tier is not None:
             self.disk_tier.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
 
-    def _measure_step_overhead(self, num_tokens: int = 32, repeats: int = 3) -> float:
-        """The fixed part of a step's time in units of one verified token's work (all its logits rows
-        wanted, as for drafts), from the median times of one-token and num_tokens-token steps; kept within
-        [1, 64] so that a noisy measurement cannot turn speculation off or on for every step."""
+    def _measure_step_times(self, num_tokens: int = 32, repeats: int = 3) -> None:
+        """Give the cost model its first points: one-token and num_tokens-token steps, all their logits rows
+        wanted as drafts want them. The live steps take over from there."""
         blocks = list(range(-(-(8 + num_tokens) // self.runner.block_size)))
 
         def seconds(n: int) -> float:
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                self.runner.execute([StepInput([0] * n, 8, blocks, n)])
-                times.append(time.perf_counter() - start)
-            return statistics.median(times)
+            start = time.perf_counter()
+            self.runner.execute([StepInput([0] * n, 8, blocks, n)])
+            return time.perf_counter() - start
 
-        one, many = seconds(1), seconds(num_tokens)
-        per_token = max((many - one) / max(1, num_tokens - 1), 1e-9)
-        return min(max((one - per_token) / per_token, 1.0), 64.0)
+        seconds(num_tokens)  # a new shape's first step prepares its kernels: not a sample
+        for _ in range(repeats):
+            for n in (1, num_tokens):
+                self.step_times.observe(n, seconds(n))
 
     def stop(self) -> None:
         """Fail what is left with UNAVAILABLE and end the thread."""
@@ -298,6 +297,7 @@ class EngineCore:
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
+        self.step_times.observe(plan.num_tokens, clock.seconds["execute"])
         by_id = pending.result() if pending is not None else {}
         if pending is not None:
             clock.lap("mask")  # the masks' time beyond the model's: what they add to the step
@@ -420,6 +420,7 @@ class EngineCore:
             update_seconds_total=s.update_seconds_total + seconds.get("update", 0.0),
             mask_seconds_total=s.mask_seconds_total + seconds.get("mask", 0.0),
             step_seconds_total=s.step_seconds_total + (clock.total if clock else 0.0),
+            step_overhead_tokens=self.step_times.overhead,
         )
 
     def _disk_stats(self) -> DiskTierStats | None:

@@ -62,9 +62,11 @@ EXTENSIONS = (
     *("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output"),
     *("stop_token_ids", "cache_salt", "structured_outputs"),
 )
+# Our own extensions.
+OWN_EXTENSIONS = ("speculation",)
 COMMON = (
     *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
-    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS),
+    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS, *OWN_EXTENSIONS),
 )
 CHAT_FIELDS = frozenset(
     (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice")
@@ -196,6 +198,7 @@ def _call(
         "ignore_eos": _bool(fields, "ignore_eos"),
         # The engine reports the chosen token's logprob only beside at least one alternative.
         "logprobs": None if top_logprobs is None else max(top_logprobs, 1),
+        "speculation": _str(fields, "speculation"),  # "auto" or "off": SamplingParams.validate checks it
     }
     # Unset sampling fields take the model's recommended settings, then OpenAI's defaults (temperature 1),
     # as vLLM and OVMS do: a client of the OpenAI API expects sampling unless it asks for temperature 0.
