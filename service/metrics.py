@@ -166,6 +166,11 @@ class EngineCollector:
                 "Request-steps that verified draft tokens (each yields the accepted drafts plus one token)",
                 s.num_verify_steps,
             ),
+            (
+                "ovserve_grammar_mask_wait_seconds",
+                "Time steps waited for grammar masks (response formats, tool calls) after the model finished",
+                s.mask_seconds_total,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("ovserve_loading_requests", "Requests restoring their prefix from disk", s.num_loading)

@@ -562,6 +562,7 @@ def test_metrics_endpoint(tiny_qwen3_ir):
             "ovserve_preemptions_total",
             "ovserve_prompt_tokens_total",
             "ovserve_spec_verify_steps_total 0.0",
+            "ovserve_grammar_mask_wait_seconds_total 0.0",
         ):
             assert needle in text, needle
         counters = dict(
