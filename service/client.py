@@ -265,11 +265,18 @@ class Client:
             yield chunk.text
 
     def tokenize(
-        self, text: str | None = None, messages: Sequence[dict[str, Any]] | None = None, timeout: float | None = None
+        self,
+        text: str | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        timeout: float | None = None,
+        tools: Sequence[pb.Tool] = (),
+        tool_choice: pb.ToolChoice | None = None,
     ) -> list[int]:
-        request = pb.TokenizeRequest(messages=[chat_message(m) for m in messages or ()])
+        request = pb.TokenizeRequest(messages=[chat_message(m) for m in messages or ()], tools=list(tools))
         if text is not None:
             request.text = text
+        if tool_choice is not None:
+            request.tool_choice.CopyFrom(tool_choice)
         return list(self.stub.Tokenize(request, timeout=self._timeout(timeout), metadata=self.metadata).token_ids)
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:

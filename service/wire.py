@@ -157,7 +157,7 @@ def response_format(request: pb.GenerateRequest) -> ResponseFormat | None:
     raise InvalidArgument("response_format", "set one of json_schema, json_object, regex or choice")
 
 
-def tools(request: pb.GenerateRequest) -> Tools | None:
+def tools(request: pb.GenerateRequest | pb.TokenizeRequest) -> Tools | None:
     if not request.tools and not request.HasField("tool_choice"):
         return None
     tools = []
@@ -222,8 +222,11 @@ def prompt_input(tokenizer: Tokenizer, request: pb.GenerateRequest) -> tuple[lis
 def tokenize_ids(tokenizer: Tokenizer, request: pb.TokenizeRequest) -> list[int]:
     if request.HasField("text") and request.messages:
         raise InvalidArgument("input", "set text or messages, not both")
+    calls = tools(request)
     if request.messages:
-        return encode_chat(tokenizer, request.messages)
+        return encode_chat(tokenizer, request.messages, calls)
+    if calls is not None and calls.active:
+        raise InvalidArgument("tools", "need messages as the input: the chat template shows them to the model")
     if request.HasField("text"):
         return encode_text(tokenizer, request.text, "text")
     raise InvalidArgument("input", "set text or messages")

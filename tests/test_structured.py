@@ -162,6 +162,20 @@ def test_forced_tool_calls_stream_valid_arguments(tiny, choice, temperature):
     assert wait_idle(tiny.engine).num_free_blocks == tiny.engine.stats().num_total_blocks
 
 
+def test_tokenize_renders_tools_as_generate_does(tiny):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with Client(tiny.target) as client:
+        with_tools = client.tokenize(messages=messages, tools=TOOLS)
+        reply = client.generate(messages=messages, tools=TOOLS, max_new_tokens=1)
+        none = pb.ToolChoice(mode=pb.ToolChoice.MODE_NONE)
+        assert reply.usage.prompt_tokens == len(with_tools)
+        assert client.tokenize(messages=messages, tools=TOOLS, tool_choice=none) == client.tokenize(messages=messages)
+        assert len(with_tools) > len(client.tokenize(messages=messages))
+        with pytest.raises(grpc.RpcError) as err:
+            client.tokenize(text="hi", tools=TOOLS)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("tools:")
+
+
 def test_auto_tool_choice_gives_text_or_valid_calls_and_results_go_back(tiny):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     with Client(tiny.target) as client:
