@@ -108,6 +108,8 @@ def test_the_tool_grammar_admits_qwen3_calls_and_nothing_else(qwen3, tmp_path):
     assert compiler.matcher(fmt).num_valid(valid) == len(valid)
     bad_args = ours.encode('\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n', add_special_tokens=False)
     assert compiler.matcher(fmt).num_valid([151657, *bad_args]) < 1 + len(bad_args)
+    no_params = ours.encode('\n{"name": "get_time", "arguments": {"city": "Paris"}}\n', add_special_tokens=False)
+    assert compiler.matcher(fmt).num_valid([151657, *no_params]) < 1 + len(no_params)  # no parameters: {} only
     assert compiler.matcher(fmt).num_valid(ours.encode("Sure!", add_special_tokens=False)) == 0  # required: no text
     auto = Tools(tools.tools).response_format(151657, 151658)
     text = ours.encode("Let me check.\n", add_special_tokens=False)

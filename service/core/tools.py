@@ -41,7 +41,7 @@ class Mode(enum.Enum):
 class Tool:
     name: str
     description: str = ""
-    parameters: dict[str, Any] | None = None  # a JSON schema of an object; None: any object
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; None: no arguments, as OpenAI means it
 
     def rendered(self) -> dict[str, Any]:
         """As chat templates take a tool (OpenAI's shape)."""
@@ -117,10 +117,15 @@ def template_call(call_id: str, name: str, arguments: str, where: str) -> dict[s
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
 
 
+# A tool declared without parameters takes none (OpenAI: "omitting parameters defines a function with an empty
+# parameter list"); "any object" would let a sampled call add keys until max_tokens cut its arguments.
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _call_schema(tool: Tool) -> dict[str, Any]:
     """{"name": the tool's name, "arguments": its parameters}, with the parameters' $defs moved to the root so
     that their references still resolve."""
-    parameters = dict(tool.parameters) if tool.parameters is not None else {"type": "object"}
+    parameters = dict(tool.parameters) if tool.parameters is not None else NO_ARGUMENTS
     defs = parameters.pop("$defs", None)
     schema: dict[str, Any] = {
         "type": "object",
