@@ -37,23 +37,19 @@ def session_key(values: Sequence[str | bytes]) -> str | None:
     if len(values) > 1:
         raise InvalidArgument(SESSION_KEY, f"given {len(values)} times; send it once")
     (value,) = values
-    if isinstance(value, bytes) or not LABEL.fullmatch(value):
-        raise InvalidArgument(
-            SESSION_KEY,
-            f"must be 1 to {MAX_LABEL_CHARS} characters among letters, digits and ._:/+=@~- "
-            f"(got {len(value)} {'bytes' if isinstance(value, bytes) else 'characters'})",
-        )
-    return value
+    return check_label(value, SESSION_KEY)
 
 
-def check_label(label: str) -> None:
-    """A client's request_id is echoed and logged: a bounded run of characters that cannot forge a log line."""
-    if not LABEL.fullmatch(label):
+def check_label(label: str | bytes, field: str = "request_id") -> str:
+    """A client's label (request_id, X-Request-Id, x-session-id), returned once checked: it is echoed and
+    logged, so a bounded run of characters that cannot forge a log line. Binary metadata is refused."""
+    if isinstance(label, bytes) or not LABEL.fullmatch(label):
         raise InvalidArgument(
-            "request_id",
+            field,
             f"must be 1 to {MAX_LABEL_CHARS} characters among letters, digits and ._:/+=@~- "
-            f"(got {len(label)} characters)",
+            f"(got {len(label)} {'bytes' if isinstance(label, bytes) else 'characters'})",
         )
+    return label
 
 
 class Status(enum.Enum):

@@ -106,11 +106,7 @@ def request_label(headers: Mapping[str, str]) -> str:
     given = headers.get(REQUEST_ID_HEADER)
     if given is None:
         return uuid.uuid4().hex
-    try:
-        check_label(given)
-    except InvalidArgument as exc:
-        raise InvalidArgument(REQUEST_ID_HEADER, str(exc).removeprefix(exc.field + ": ")) from None
-    return given
+    return check_label(given, REQUEST_ID_HEADER)
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
