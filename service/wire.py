@@ -17,7 +17,7 @@ from service.core.grammar import ResponseFormat
 from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, ToolCallDelta, Usage
 from service.core.params import SamplingParams
 from service.core.stats import ModelInfo
-from service.core.tools import Mode, Tool, ToolChoice, Tools, template_call
+from service.core.tools import Mode, Tool, ToolChoice, Tools, joined_calls, template_call
 from service.errors import InvalidArgument
 from service.tokenizer import Tokenizer
 
@@ -185,6 +185,11 @@ def json_object(text: str, field: str) -> dict[str, Any]:
     return value
 
 
+def refuse_tools_without_messages(calls: Tools | None) -> None:
+    if calls is not None and calls.active:
+        raise InvalidArgument("tools", "need messages as the input: the chat template shows them to the model")
+
+
 def encode_text(tokenizer: Tokenizer, text: str, field: str) -> list[int]:
     if not text:
         raise InvalidArgument(field, "must not be empty")
@@ -212,8 +217,7 @@ def prompt_input(tokenizer: Tokenizer, request: pb.GenerateRequest) -> tuple[lis
     calls = tools(request)
     if given[0] == "messages":
         return encode_chat(tokenizer, request.messages, calls), "messages"
-    if calls is not None and calls.active:
-        raise InvalidArgument("tools", "need messages as the input: the chat template shows them to the model")
+    refuse_tools_without_messages(calls)
     if given[0] == "prompt":
         return encode_text(tokenizer, request.prompt, "prompt"), "prompt"
     return list(request.prompt_token_ids), "prompt_token_ids"
@@ -225,8 +229,7 @@ def tokenize_ids(tokenizer: Tokenizer, request: pb.TokenizeRequest) -> list[int]
     calls = tools(request)
     if request.messages:
         return encode_chat(tokenizer, request.messages, calls)
-    if calls is not None and calls.active:
-        raise InvalidArgument("tools", "need messages as the input: the chat template shows them to the model")
+    refuse_tools_without_messages(calls)
     if request.HasField("text"):
         return encode_text(tokenizer, request.text, "text")
     raise InvalidArgument("input", "set text or messages")
@@ -265,16 +268,6 @@ def tool_calls_pb(deltas: Iterable[ToolCallDelta]) -> list[pb.ToolCall]:
     return [pb.ToolCall(index=d.index, id=d.id, name=d.name, arguments=d.arguments) for d in deltas]
 
 
-def whole_calls(deltas: Iterable[ToolCallDelta]) -> list[pb.ToolCall]:
-    """The increments of a reply's calls joined into one ToolCall per index."""
-    calls: dict[int, pb.ToolCall] = {}
-    for d in deltas:
-        call = calls.setdefault(d.index, pb.ToolCall(index=d.index))
-        call.id, call.name = call.id or d.id, call.name or d.name
-        call.arguments += d.arguments
-    return list(calls.values())
-
-
 def final_fields(out: RequestOutput) -> dict[str, Any]:
     """finish_reason, usage and timings of the last output; nothing for the others."""
     if out.finish_reason is None:
@@ -306,7 +299,7 @@ def unary_response(outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
         text="".join(o.text for o in outputs),
         token_ids=[t for o in outputs for t in o.token_ids],
         logprobs=logprobs_pb(lp for o in outputs for lp in o.logprobs),
-        tool_calls=whole_calls(d for o in outputs for d in o.tool_calls),
+        tool_calls=tool_calls_pb(joined_calls(d for o in outputs for d in o.tool_calls)),
         **final_fields(last),
     )
 

@@ -14,8 +14,8 @@ import enum
 import json
 import re
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.core.detokenizer import IncrementalDetokenizer
@@ -103,6 +103,16 @@ class Tools:
             "TEXT: /(?s:.+)/",  # any text; special tokens (the call's opening one among them) are not text
         ]
         return ResponseFormat(Kind.LARK, "\n".join(rules) + "\n", "tools")
+
+
+def joined_calls(deltas: Iterable[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Increments of the same call joined into one per index, in order: id and name from its first, the
+    argument fragments concatenated."""
+    calls: dict[int, ToolCallDelta] = {}
+    for d in deltas:
+        c = calls.get(d.index)
+        calls[d.index] = d if c is None else replace(c, arguments=c.arguments + d.arguments)
+    return list(calls.values())
 
 
 def template_call(call_id: str, name: str, arguments: str, where: str) -> dict[str, Any]:

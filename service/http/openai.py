@@ -18,7 +18,7 @@ from service.core.grammar import ResponseFormat
 from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, ToolCallDelta, Usage
 from service.core.params import SamplingParams
 from service.core.stats import ModelInfo
-from service.core.tools import Mode, Tool, ToolChoice, Tools, template_call
+from service.core.tools import Mode, Tool, ToolChoice, Tools, joined_calls, template_call
 from service.errors import InvalidArgument
 
 INT64 = 1 << 63
@@ -586,17 +586,15 @@ class Reply:
 
 
 def tool_calls(deltas: Iterable[ToolCallDelta]) -> list[dict[str, Any]]:
-    """OpenAI's tool_calls entries: increments of one index joined (the first has id, type and name)."""
-    entries: dict[int, dict[str, Any]] = {}
-    for d in deltas:
-        entry = entries.get(d.index)
-        if entry is None:
-            entry = entries[d.index] = {"index": d.index, "function": {"arguments": ""}}
+    """OpenAI's tool_calls entries: increments of one index joined (a call's first has id, type and name)."""
+    entries = []
+    for d in joined_calls(deltas):
+        entry: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
         if d.id:
             entry.update(id=d.id, type="function")
             entry["function"]["name"] = d.name
-        entry["function"]["arguments"] += d.arguments
-    return list(entries.values())
+        entries.append(entry)
+    return entries
 
 
 def _finish(out: RequestOutput) -> str | None:
