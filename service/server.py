@@ -46,9 +46,6 @@ log = logging.getLogger("service.server")
 HEALTH_EXEMPT_PREFIX = f"/{health.SERVICE_NAME}/"
 # How long before its deadline a client cancel still counts as the deadline: the transit delay, generously.
 DEADLINE_SLACK_SECONDS = 0.25
-# The conversation a request belongs to, set by clients for every turn (gRPC metadata; the HTTP header of the
-# same name). Load balancers hash it to send a conversation's turns to the replica holding its KV cache; the
-# server only validates and logs it.
 
 # The one table from domain errors to status codes. Anything else (EngineFailure included) is INTERNAL.
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
@@ -68,7 +65,8 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
 
 
 def session_id(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The request's x-session-id, checked like request_id before it reaches a log line."""
+    """The request's x-session-id, checked like request_id before it reaches a log line: the conversation it
+    belongs to, which load balancers hash to send its turns to the replica holding its KV cache."""
     return session_key([value for key, value in metadata or () if key == SESSION_KEY])
 
 

@@ -69,6 +69,6 @@ class EngineStats:
     execute_seconds_total: float = 0.0
     sample_seconds_total: float = 0.0
     update_seconds_total: float = 0.0
-    mask_seconds_total: float = 0.0  # computing grammar masks (response formats, tool calls)
+    mask_seconds_total: float = 0.0  # waiting for grammar masks after the model finished its step
     step_seconds_total: float = 0.0
     step_overhead_tokens: float = 0.0  # the draft rule's F: a step's fixed cost in tokens' work, fitted live

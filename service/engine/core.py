@@ -298,13 +298,14 @@ class EngineCore:
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
         self.step_times.observe(plan.num_tokens, clock.seconds["execute"])
-        by_id = pending.result() if pending is not None else {}
+        by_id = {}
         if pending is not None:
+            by_id = pending.result()
             clock.lap("mask")  # the masks' time beyond the model's: what they add to the step
         masks = [by_id.get(c.request.id) for c in sampled]
         ends = np.cumsum([c.num_logits for c in sampled], dtype=np.int64)
         plain = [i for i, c in enumerate(sampled) if not c.drafts]
-        plain_masks = [masks[i] for i in plain] if any(m is not None for m in masks) else []
+        plain_masks = [masks[i] for i in plain] if constrained else []
         result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain], plain_masks)
         runs: list[list[int]] = [[] for _ in sampled]
         logprobs: list[list[TokenLogprob | None]] = [[] for _ in sampled]
