@@ -225,6 +225,33 @@ def test_tools_need_a_template_that_renders_them(smol):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not render tools" in err.value.details()
 
 
+def test_constrained_streams_cancelled_mid_reply_free_their_blocks_and_spare_the_others(smol):
+    """Eight requests with one schema at once (its first compile shared): every other one is cancelled after a
+    few messages; the rest finish valid, and nothing is held afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = SCHEMAS["enum_and_array"]
+    fmt = schema_format({**schema, "description": "cancelled alongside"})  # a schema not compiled before
+
+    def one(i: int) -> str | None:
+        with Client(smol.target) as client:
+            call = client.stream(prompt=f"Item {i}:", response_format=fmt, temperature=1.0, seed=i, max_new_tokens=200)
+            if i % 2:
+                for _ in range(3):
+                    next(call, None)  # a short reply may end first: cancelling then is a no-op
+                call.cancel()
+                return None
+            return "".join(chunk.text for chunk in call)
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = [r for r in pool.map(one, range(8)) if r is not None]
+    assert len(replies) == 4
+    for reply in replies:
+        jsonschema.validate(json.loads(reply), schema)
+    stats = wait_idle(smol.engine)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_grammar_with_speculative_decoding(smollm2_ir):
     """Prompt lookup proposes drafts copied from the prompt; those the grammar forbids are never offered, the
     kept ones count, and every reply is still valid."""

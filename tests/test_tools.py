@@ -179,3 +179,13 @@ def test_invalid_tools_name_the_field(tools, choice, field):
     with pytest.raises(InvalidArgument) as err:
         Tools(tools, choice)
     assert err.value.field == field
+
+
+def test_too_many_tools_or_choices_are_refused_naming_the_limit():
+    from service.core.grammar import MAX_CHOICES, ResponseFormat
+    from service.core.tools import MAX_TOOLS
+
+    with pytest.raises(InvalidArgument, match=rf"^tools: at most {MAX_TOOLS} tools"):
+        Tools(tuple(Tool(f"t{i}") for i in range(MAX_TOOLS + 1)))
+    with pytest.raises(InvalidArgument, match=rf"^response_format.choice: at most {MAX_CHOICES} strings"):
+        ResponseFormat.choice([str(i) for i in range(MAX_CHOICES + 1)])
