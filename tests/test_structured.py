@@ -173,7 +173,11 @@ def test_tokenize_renders_tools_as_generate_does(tiny):
         assert len(with_tools) > len(client.tokenize(messages=messages))
         with pytest.raises(grpc.RpcError) as err:
             client.tokenize(text="hi", tools=TOOLS)
+        with pytest.raises(grpc.RpcError) as bad_name:
+            client.tokenize(messages=messages, tools=[pb.Tool(name="a b")])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("tools:")
+    assert bad_name.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_name.value.details().startswith("tools[0].name:")
 
 
 def test_auto_tool_choice_gives_text_or_valid_calls_and_results_go_back(tiny):
