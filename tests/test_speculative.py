@@ -19,7 +19,15 @@ from service.core.params import SamplingParams
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler
-from service.core.speculative import RETRY_FIRST, DraftStats, PromptLookup, StepCost, StepTimes, accept_greedy
+from service.core.speculative import (
+    HYSTERESIS,
+    PRIOR_ACCEPTANCE,
+    DraftStats,
+    PromptLookup,
+    StepCost,
+    StepTimes,
+    accept_greedy,
+)
 from service.engine import Engine
 from service.errors import InvalidArgument
 from tests.test_server import TIMEOUT, Running, base_config, free_port
@@ -225,12 +233,14 @@ def test_verify_with_top_k_never_emits_a_cut_token():
 
 
 # -- on a real model -------------------------------------------------------------------------------------
-def outputs(model, prompts, max_new, params=None, **config) -> tuple[list[list[int]], object]:
+def outputs(model, prompts, max_new, params=None, proposer=None, **config) -> tuple[list[list[int]], object]:
     """The tokens of each prompt, all submitted at once; params[i] for prompt i (default: greedy). With
-    logprobs, each token comes as (token, its logprob's token id, logprob)."""
+    logprobs, each token comes as (token, its logprob's token id, logprob). proposer replaces prompt lookup."""
     engine = Engine(
         model, EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=64, kv_cache_precision="f16", **config)
     )
+    if proposer is not None:
+        engine.core.scheduler.proposer = proposer
     engine.start()
     greedy = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     accepted = []
@@ -264,12 +274,32 @@ def outputs(model, prompts, max_new, params=None, **config) -> tuple[list[list[i
 TEXT = [1000 + (i * 7) % 50 for i in range(60)]  # a prompt with repeats, so lookup has something to offer
 
 
+class Oracle:
+    """Proposes the tokens that follow in known replies, every WRONG-th one changed: a random model's replies
+    seldom copy their prompt, and these drafts are kept in runs and rejected now and then, deterministically."""
+
+    WRONG = 5
+
+    def __init__(self, prompts, replies) -> None:
+        self.sequences = [[*p, *(t[0] if isinstance(t, tuple) else t for t in r)] for p, r in zip(prompts, replies)]
+
+    def propose(self, token_ids, k):
+        n = len(token_ids)
+        for sequence in self.sequences:
+            if sequence[:n] == list(token_ids):
+                return [t if (n + i) % self.WRONG else t ^ 1 for i, t in enumerate(sequence[n : n + k])]
+        return []
+
+
 def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir):
     """Uncompressed weights and an f16 cache: a k+1-token verify step must reproduce one-token decoding."""
     prompts = [TEXT, TEXT[10:] + TEXT[:10], [5, 6, 7] * 12]
     plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40)
-    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 40, speculative_tokens=4, speculation="auto")
+    spec = {"speculative_tokens": 4, "speculation": "auto"}
+    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 40, proposer=Oracle(prompts, plain), **spec)
     assert fast == plain
+    looked_up, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40, **spec)  # prompt lookup's drafts, mostly rejected
+    assert looked_up == plain
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     # each verify step yields its kept drafts and one token; every other step one token per request
     assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
@@ -285,7 +315,8 @@ def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwe
     ]
     prompts = [TEXT, [5, 6, 7] * 12, TEXT[10:] + TEXT[:10]]
     plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 0, params)
-    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 0, params, speculative_tokens=4, speculation="auto")
+    oracle = Oracle(prompts, plain)
+    fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 0, params, oracle, speculative_tokens=4, speculation="auto")
     assert [fast[0], fast[2]] == [plain[0], plain[2]]
     assert [t[:2] for t in fast[1]] == [t[:2] for t in plain[1]]
     assert [t[2] for t in fast[1]] == pytest.approx([t[2] for t in plain[1]], abs=1e-3)
@@ -298,67 +329,116 @@ def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir)
     the one plain decoding gives."""
     seeded = SamplingParams(
         max_new_tokens=40, temperature=0.1, presence_penalty=0.2, seed=77, ignore_eos=True, logprobs=2
-    )  # a low temperature: the random model's output then repeats its prompt now and then, so drafts are kept
+    )
     crowd = [SamplingParams(max_new_tokens=30, temperature=t, seed=None, ignore_eos=True) for t in (0.0, 0.9, 0.3)]
     others = [[5, 6, 7] * 12, TEXT[20:], TEXT[5:40]]
-    (alone,), stats = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded], speculative_tokens=4, speculation="auto")
-    spec = {"speculative_tokens": 4, "speculation": "auto"}
-    crowded, _ = outputs(tiny_qwen3_fp16_ir, [*others, TEXT], 0, [*crowd, seeded], **spec)
     (plain,), _ = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded])
+    spec = {"speculative_tokens": 4, "speculation": "auto", "proposer": Oracle([TEXT], [plain])}
+    (alone,), stats = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded], **spec)
+    crowded, _ = outputs(tiny_qwen3_fp16_ir, [*others, TEXT], 0, [*crowd, seeded], **spec)
     assert stats.num_accepted_tokens > 0, stats  # some drafts were kept: the sampled path ran
     for reply in (crowded[-1], plain):  # logprobs agree to rounding: the step shapes differ
         assert [t[:2] for t in reply] == [t[:2] for t in alone]
         assert [t[2] for t in reply] == pytest.approx([t[2] for t in alone], abs=1e-3)
 
 
+def runs_of(*runs: int) -> DraftStats:
+    stats = DraftStats()
+    for run in runs:
+        stats.record(run)
+    return stats
+
+
+def test_a_guess_is_judged_once_the_reply_leaves_it_or_matches_all_of_it():
+    stats = DraftStats()
+    stats.watch(3, [5, 6, 7])
+    stats.watch(4, [9])  # one guess at a time: ignored
+    stats.settle([0, 0, 0, 5, 6])  # agrees so far: not known yet
+    assert stats.watched == (3, (5, 6, 7)) and stats.runs == []
+    stats.settle([0, 0, 0, 5, 6, 8])  # the reply left it after two
+    assert stats.watched is None and stats.runs == [0.0, 0.0, 1.0]
+    stats.watch(6, [1, 2, 3])
+    stats.settle([0, 0, 0, 5, 6, 8, 1, 2, 3])  # all of it matched
+    assert stats.watched is None and stats.runs == pytest.approx([0.0, 0.0, 0.7, 1.0])
+    stats.watch(9, [])  # no guess at all earns nothing
+    assert stats.runs[0] == 1.0 and stats.watched is None
+
+
+def test_expected_tokens_follow_the_recorded_runs():
+    fresh = DraftStats()  # the prior alone: each draft kept with probability 0.5 after the one before
+    assert fresh.expected_tokens(0) == 1.0
+    assert fresh.expected_tokens(3) == pytest.approx(1 + PRIOR_ACCEPTANCE + PRIOR_ACCEPTANCE**2 + PRIOR_ACCEPTANCE**3)
+    copying = runs_of(*[8] * 10)  # long runs: every draft up to 8 is kept
+    assert copying.expected_tokens(5) == pytest.approx(6, abs=0.05)
+    assert copying.expected_tokens(10) == pytest.approx(9, abs=0.1)  # no run went past 8
+    missing = runs_of(*[0] * 10)
+    assert missing.expected_tokens(5) == pytest.approx(1, abs=0.05)
+    mixed = runs_of(*[0, 4] * 10)  # half the guesses miss, half agree for four tokens (the latest weighs most)
+    assert 3 < mixed.expected_tokens(4) < 3.5 and mixed.expected_tokens(5) - mixed.expected_tokens(4) < 0.01
+
+
 def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
-    """A draft kept with probability q is worth its token when q * (F + T) > produced."""
+    """k drafts for a request whose steps yield E(k) tokens raise the step's rate from produced / (F + T) to
+    (produced + E(k) - 1) / (F + T + k): the cost rule takes the k that maximizes it."""
     alone = StepCost(overhead=8, tokens=1, produced=1)
-    assert alone.affordable(0.9, 5) == 5  # one stream: reading the weights dominates, drafts are nearly free
-    assert alone.affordable(0.5, 5) == 2  # 0.5 * 9 > 1, 0.25 * 10 > 1.5, 0.125 * 11 < 1.75
-    assert alone.affordable(0.1, 5) == 0  # 0.1 * 9 < 1
+    assert alone.best(runs_of(*[8] * 10), 5) == 5  # one stream copying its input: every draft pays
+    assert alone.best(runs_of(*[0] * 10), 5) == 0  # guesses that miss never pay
+    assert alone.best(runs_of(*[0, 1] * 10), 5) == 1  # runs of one: a second draft would never be kept
     crowd = StepCost(overhead=8, tokens=32, produced=32)  # 32 decoding requests: compute-bound
-    assert crowd.affordable(0.5, 5) == 0
-    assert crowd.affordable(0.85, 5) == 1  # 0.85 * 40 > 32, 0.7225 * 41 < 32.85
-    assert crowd.affordable(0.95, 5) == 4  # a request that copies its input still gains
+    assert crowd.best(DraftStats(), 5) == 0
+    assert crowd.best(runs_of(*[0, 2] * 10), 5) == 0
+    assert crowd.best(runs_of(*[8] * 10), 5) == 0  # copying gains 3% here: less than a change of shape is worth
+    few = StepCost(overhead=8, tokens=8, produced=8)
+    assert few.best(runs_of(*[8] * 10), 5) == 5  # beside 7 others, a request that copies its input gains
     beside_a_prompt = StepCost(overhead=8, tokens=200, produced=1)  # one decoding request beside a prompt chunk
-    assert beside_a_prompt.affordable(0.3, 5) == 4  # the step is slow anyway: its few outputs are worth a lot
-    crowd.add(1, 0.85)
-    assert (crowd.tokens, crowd.produced) == (33, 32.85)
+    assert beside_a_prompt.best(DraftStats(), 5) == 5  # the step is slow anyway: its few outputs are worth a lot
+    stats = runs_of(*[8] * 10)
+    crowd.add(5, stats)
+    assert (crowd.tokens, crowd.produced) == (37, pytest.approx(32 + stats.expected_tokens(5) - 1))
 
 
-def test_a_request_whose_drafts_miss_backs_off_and_probes_later():
+def test_a_request_keeps_its_number_of_drafts_unless_another_is_clearly_better():
+    """A step of the same shape as the one before is cheaper, so the choice does not flap."""
+    cost = StepCost(overhead=20, tokens=1, produced=1)
+    stats = runs_of(*[1, 4] * 10)  # 4 drafts are best, 5 nearly as good, 1 far worse
+    rates = [cost.rate(stats, k) for k in range(6)]
+    best = cost.best(stats, 5)
+    assert rates[best] == max(rates)
+    close = [k for k in range(6) if k != best and rates[k] * (1 + HYSTERESIS) >= rates[best]]
+    far = [k for k in range(6) if rates[k] * (1 + HYSTERESIS) < rates[best]]
+    assert close and far, rates
+    stats.num_drafts = close[0]  # last step's choice: not the best, but within HYSTERESIS of it
+    assert cost.best(stats, 5) == close[0]
+    stats.num_drafts = far[0]  # far from the best: changed
+    assert cost.best(stats, 5) == best
+    assert cost.best(stats, 0) == 0  # and never beyond the limit
+
+
+def test_a_request_whose_guesses_miss_loses_its_drafts_and_gets_them_back_when_it_copies():
     s = scheduler(k=4, overhead=8.0)
     r = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # first token 1: lookup offers 2, 3, ...
     offered = []
-    for token in (5, 3, 7, 2):  # each rejects the first draft and has a continuation for lookup to offer
+    for token in (50, 51, 52, 53, 54):  # the reply leaves every guess at once
         plan = s.schedule()
         offered.append(len(plan.chunks[0].drafts))
         s.update(plan, [[token]])
-    assert offered == [2, 1, 1, 0]  # acceptance 0.5, then 1/3: one draft; three misses in a row: none
-    without, plan = 1, s.schedule()  # steps without drafts since backing off: the fourth was one
-    while not plan.chunks[0].drafts:
-        without += 1
-        s.update(plan, [[9]])
+    assert offered[0] > 0 and offered[-1] == 0  # from the prior's drafts to none
+    assert r.draft_stats.expected_tokens(4) < 1.2
+    for _ in range(10):  # the reply copies its prompt again: the guesses watched without drafts see it
         plan = s.schedule()
-    assert without == RETRY_FIRST - 1 and len(plan.chunks[0].drafts) == 1  # then a probe of one draft
-    s.update(plan, [[5]])  # the probe misses: twice as long to the next one
-    assert r.draft_stats.retry_after == 2 * RETRY_FIRST and r.draft_stats.idle_steps == 0
-    r.draft_stats.idle_steps = r.draft_stats.retry_after - 1
-    plan = s.schedule()
-    assert len(plan.chunks[0].drafts) == 1
-    s.update(plan, [[*plan.chunks[0].drafts, 7]])  # the probe is kept: drafts are back, a next back-off probes soon
-    assert not r.draft_stats.backed_off and r.draft_stats.retry_after == RETRY_FIRST and r.draft_stats.acceptance > 0.3
-    assert s.schedule().chunks[0].drafts  # offered by the cost rule again
+        drafts = plan.chunks[0].drafts
+        s.update(plan, [[*drafts, *(s.proposer.propose(r.all_token_ids + list(drafts), 1) or [1])]])
+    assert len(s.schedule().chunks[0].drafts) == 4
 
 
-def test_accepted_drafts_raise_the_estimate():
-    stats = DraftStats()
-    assert stats.acceptance == 0.5
-    stats.record(offered=4, accepted=4)
-    assert stats.acceptance == pytest.approx(5 / 6)
-    stats.record(offered=4, accepted=1)  # one kept, one rejected; the two after it say nothing
-    assert stats.acceptance == pytest.approx((0.7 * 4 + 1 + 1) / (0.7 * 4 + 1 + 1 + 2))
+def test_a_short_guess_is_padded_to_the_chosen_number_of_drafts():
+    s = scheduler(k=5)
+    decoding(s, [1, 2, 3, 4, 5, 6, 7])  # first token 4: lookup has only 5, 6, 7, 4 after it
+    assert s.schedule().chunks[0].drafts == (5, 6, 7, 4, 4)  # a step of the shape it chose
+    constrained = scheduler(k=5)
+    r = decoding(constrained, [1, 2, 3, 4, 5, 6, 7])
+    r.matcher = type("AnyToken", (), {"num_valid": staticmethod(len)})()  # a grammar that allows all
+    assert constrained.schedule().chunks[0].drafts == (5, 6, 7, 4)  # never padded past what a grammar checked
 
 
 def test_drafts_never_preempt_and_leave_others_their_block():

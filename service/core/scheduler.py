@@ -200,11 +200,12 @@ class Scheduler:
                 self.num_verify_steps += 1
                 # a stop inside the run drops what follows it: only kept drafts that reached the output count
                 request.num_accepted_drafts += min(accepted, request.num_output_tokens - num_before)
-                request.draft_stats.record(len(chunk.drafts), accepted)
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request.id, request.num_tokens)
             else:
                 request.num_computed_tokens += chunk.num_tokens
+            if chunk.sample:
+                request.draft_stats.settle(request.all_token_ids)
             self.kv.cache_full_blocks(
                 request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
             )
@@ -348,10 +349,11 @@ class Scheduler:
         return (request.params.speculation or self.speculation) == "auto"
 
     def _drafts(self, request: Request, room: int, cost: StepCost) -> tuple[int, ...]:
-        """Draft tokens for a decoding request: as many as raise the step's tokens per second given its
-        recent acceptance (a probe of one now and then when none do), within its token limits and the
-        step's room."""
+        """Draft tokens for a decoding request: as many as raise the step's tokens per second given what its
+        guesses earned lately, within its token limits and the step's room. The proposer's guess is also
+        watched (DraftStats), so guesses are judged while the request gets no drafts."""
         p = request.params
+        stats = request.draft_stats
         limit = min(
             self.speculative_tokens,
             room,
@@ -360,16 +362,19 @@ class Scheduler:
         )
         if limit <= 0:
             return ()
-        acceptance = request.draft_stats.acceptance
-        k = 0 if request.draft_stats.backed_off else cost.affordable(acceptance, limit)
-        if k == 0:
-            if not request.draft_stats.probe():
-                return ()
-            k = 1
-        drafts = tuple(self.proposer.propose(request.all_token_ids, k)[:k])
+        k = stats.num_drafts = cost.best(stats, limit)
+        if not k and stats.watched is not None:
+            return ()
+        guess = tuple(self.proposer.propose(request.all_token_ids, self.speculative_tokens))
+        stats.watch(request.num_tokens, guess)
+        drafts = guess[:k]
         if request.matcher is not None:  # a draft the grammar forbids could never be kept
             drafts = drafts[: request.matcher.num_valid(drafts)]
-        cost.add(len(drafts), acceptance)
+        elif len(drafts) < k:
+            # a short guess is padded to the chosen number: a step of the same shape as the last runs
+            # faster than a smaller one of a new shape, and a padding token is kept when it happens to be right
+            drafts += (drafts or (request.all_token_ids[-1],))[-1:] * (k - len(drafts))
+        cost.add(len(drafts), stats)
         return drafts
 
     def _drop_expired(self, plan: StepPlan) -> None:

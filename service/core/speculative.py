@@ -13,18 +13,22 @@ or continue a given text) copies long spans of its input, and the request's own 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-# A request's acceptance is estimated from its recent verify steps: each step's counts are worth DECAY of the
-# next one's, so a reply that stops copying its input loses its drafts within a few steps.
+# A request's drafts are judged by what they would have earned: its proposer's guess of the next tokens is
+# watched, and when the reply leaves it (or has matched all of it) the length of the agreeing run is
+# recorded. This costs no step: a request that is not offered drafts still has its guesses checked against
+# what it generates, so it is offered drafts again as soon as its reply starts copying. Each run weighs
+# DECAY of the next one's, so a reply that stops copying loses its drafts within a few runs; a new request
+# starts from one run's worth of a prior that keeps each draft with probability PRIOR_ACCEPTANCE.
 DECAY = 0.7
-# A request whose drafts do not pay, or were all rejected MISSES_TO_BACK_OFF verify steps in a row, is offered
-# none; after RETRY_FIRST decode steps it is offered one again (a probe: replies often return to copying their
-# input), and after each probe that fails it waits twice as long, up to RETRY_MAX steps. The explicit count
-# matters at one stream, where the cost rule alone would keep offering a draft kept one time in six.
-MISSES_TO_BACK_OFF = 3
-RETRY_FIRST, RETRY_MAX = 8, 128
+PRIOR_ACCEPTANCE = 0.5
+# A request keeps the number of drafts it was offered last unless another number promises this much more
+# (relative tokens per second). Then the step's shape (its token count) stays as it was, which matters on a
+# CPU: a step of another shape than the one before costs the CPU plugin time to prepare its kernels and
+# buffers (SmolLM2 on 2 cores: 24 ms for a one-token step after a one-token step, 38 ms after a six-token one).
+HYSTERESIS = 0.05
 
 
 class Proposer(Protocol):
@@ -53,41 +57,50 @@ class PromptLookup:
 
 @dataclass
 class DraftStats:
-    """What a request's drafts earned lately; owned by the scheduler."""
+    """What a request's guesses earned lately; owned by the scheduler."""
 
-    hits: float = 0.0  # decayed count of kept drafts
-    misses: float = 0.0  # decayed count of rejections (a verify step has at most one)
-    misses_in_a_row: int = 0  # verify steps that kept no draft, since the last that kept one
-    idle_steps: int = 0  # decode steps without drafts since it last verified some
-    retry_after: int = RETRY_FIRST
+    runs: list[float] = field(default_factory=list)  # runs[j]: decayed count of watched runs of exactly j
+    prior: float = 1.0  # the prior's weight, decaying as runs are recorded
+    watched: tuple[int, tuple[int, ...]] | None = None  # (position, tokens): the guess being checked
+    num_drafts: int = 0  # drafts the scheduler chose in the request's last decode step
 
-    @property
-    def acceptance(self) -> float:
-        """The chance that a draft is kept given that the ones before it were (with a prior of one hit and
-        one miss: a new request starts at 0.5)."""
-        return (self.hits + 1) / (self.hits + self.misses + 2)
-
-    def record(self, offered: int, accepted: int) -> None:
-        self.hits = DECAY * self.hits + accepted
-        self.misses = DECAY * self.misses + (accepted < offered)  # the drafts after a rejection say nothing
-        self.idle_steps = 0
-        if accepted:
-            self.misses_in_a_row, self.retry_after = 0, RETRY_FIRST
+    def watch(self, position: int, guess: Sequence[int]) -> None:
+        """guess is the proposer's for the tokens from position on; checked as they are generated (unless a
+        guess is already being checked). An empty guess earns nothing: a run of 0 at once."""
+        if self.watched is not None:
+            return
+        if guess:
+            self.watched = (position, tuple(guess))
         else:
-            self.misses_in_a_row += 1
+            self.record(0)
 
-    @property
-    def backed_off(self) -> bool:
-        return self.misses_in_a_row >= MISSES_TO_BACK_OFF
+    def settle(self, token_ids: Sequence[int]) -> None:
+        """Check the watched guess against the request's tokens so far; record its run once known."""
+        if self.watched is None:
+            return
+        position, guess = self.watched
+        seen = token_ids[position : position + len(guess)]
+        run = 0
+        while run < len(seen) and seen[run] == guess[run]:
+            run += 1
+        if run < len(seen) or run == len(guess):  # the reply left the guess, or matched all of it
+            self.record(run)
+            self.watched = None
 
-    def probe(self) -> bool:
-        """Called for a decode step in which drafts do not pay or the request backed off: True when it is
-        time to offer one anyway."""
-        self.idle_steps += 1
-        if self.idle_steps < self.retry_after:
-            return False
-        self.retry_after = min(2 * self.retry_after, RETRY_MAX)
-        return True
+    def record(self, run: int) -> None:
+        self.runs = [DECAY * n for n in self.runs] + [0.0] * (run + 1 - len(self.runs))
+        self.runs[run] += 1.0
+        self.prior *= DECAY
+
+    def expected_tokens(self, num_drafts: int) -> float:
+        """Tokens a decode step with num_drafts drafts is expected to yield: its own token, plus the j-th
+        draft for every j up to num_drafts that the reply's runs reach."""
+        total = self.prior + sum(self.runs)
+        expected, at_least = 1.0, sum(self.runs)  # at_least: the runs' weight of length j or more
+        for j in range(1, num_drafts + 1):
+            at_least -= self.runs[j - 1] if j - 1 < len(self.runs) else 0.0
+            expected += (self.prior * PRIOR_ACCEPTANCE**j + max(at_least, 0.0)) / total
+        return expected
 
 
 @dataclass
@@ -96,28 +109,31 @@ class StepCost:
 
     A step of T tokens takes about c * (F + T): F is the fixed part (reading the weights once, launching
     the kernels) in units of one token's work c. The step yields `produced` tokens (one per sampled
-    request plus the drafts expected to be kept). One more draft, kept with probability q, takes the rate
-    from produced / (F + T) to (produced + q) / (F + T + 1): a gain exactly when q * (F + T) > produced.
-    Drafts are nearly free in a small step, which is bound by reading the weights, and must be likely to
-    be kept in a large one, which is bound by compute."""
+    request plus the drafts expected to be kept). k more drafts for a request whose step is expected to
+    yield E(k) tokens take the rate from produced / (F + T) to (produced + E(k) - 1) / (F + T + k). Drafts
+    are nearly free in a small step, which is bound by reading the weights, and must be likely to be kept
+    in a large one, which is bound by compute."""
 
     overhead: float  # F
     tokens: float  # T so far
     produced: float
 
-    def affordable(self, acceptance: float, limit: int) -> int:
-        """How many drafts (at most limit) raise the step's tokens per second: the j-th is kept with
-        probability acceptance ** j."""
-        k, tokens, produced = 0, self.tokens, self.produced
-        while k < limit and acceptance ** (k + 1) * (self.overhead + tokens) > produced:
-            k += 1
-            tokens += 1
-            produced += acceptance**k
-        return k
+    def rate(self, stats: DraftStats, num_drafts: int) -> float:
+        """Expected tokens per unit of work of the step if the request gets num_drafts drafts."""
+        gained = stats.expected_tokens(num_drafts) - 1
+        return (self.produced + gained) / (self.overhead + self.tokens + num_drafts)
 
-    def add(self, num_drafts: int, acceptance: float) -> None:
+    def best(self, stats: DraftStats, limit: int) -> int:
+        """The number of drafts (at most limit) that gives the step the most tokens per second: the one
+        the request had last step unless another is clearly better (HYSTERESIS)."""
+        rates = [self.rate(stats, k) for k in range(limit + 1)]
+        best = max(range(limit + 1), key=rates.__getitem__)
+        kept = min(stats.num_drafts, limit)
+        return kept if rates[kept] * (1 + HYSTERESIS) >= rates[best] else best
+
+    def add(self, num_drafts: int, stats: DraftStats) -> None:
         self.tokens += num_drafts
-        self.produced += sum(acceptance**j for j in range(1, num_drafts + 1))
+        self.produced += stats.expected_tokens(num_drafts) - 1
 
 
 class StepTimes:

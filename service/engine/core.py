@@ -149,20 +149,17 @@ class EngineCore:
         self.alive = True
         self._thread.start()
 
-    def _measure_step_times(self, num_tokens: int = 32, repeats: int = 3) -> None:
-        """Give the cost model its first points: one-token and num_tokens-token steps, all their logits rows
-        wanted as drafts want them. The live steps take over from there."""
-        blocks = list(range(-(-(8 + num_tokens) // self.runner.block_size)))
-
-        def seconds(n: int) -> float:
-            start = time.perf_counter()
-            self.runner.execute([StepInput([0] * n, 8, blocks, n)])
-            return time.perf_counter() - start
-
-        seconds(num_tokens)  # a new shape's first step prepares its kernels: not a sample
-        for _ in range(repeats):
-            for n in (1, num_tokens):
-                self.step_times.observe(n, seconds(n))
+    def _measure_step_times(self, sizes: tuple[int, ...] = (1, 8, 16), repeats: int = 3) -> None:
+        """Give the cost model its first points: steps of a few sizes, all their logits rows wanted as drafts
+        want them, each size run repeats times after one unmeasured step (which prepares the kernels of its
+        new shape). The live steps take over from there."""
+        blocks = list(range(-(-(8 + max(sizes)) // self.runner.block_size)))
+        for n in sizes:
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                self.runner.execute([StepInput([0] * n, 8, blocks, n)])
+                if i:
+                    self.step_times.observe(n, time.perf_counter() - start)
 
     def stop(self) -> None:
         """Fail what is left with UNAVAILABLE and end the thread."""
@@ -297,7 +294,8 @@ class EngineCore:
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
-        self.step_times.observe(plan.num_tokens, clock.seconds["execute"])
+        if not self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
+            self.step_times.observe(plan.num_tokens, clock.seconds["execute"])
         by_id = {}
         if pending is not None:
             by_id = pending.result()
