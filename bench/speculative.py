@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--writing-prompts", type=int, default=8, help="prompts of the writing set used")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--k", type=int, default=5, help="draft tokens per step (genai: num_assistant_tokens)")
+    p.add_argument(
+        "--our-k", type=int, help="ovserve's --speculative-tokens, its cost rule choosing up to it (default: --k)"
+    )
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram matched (genai: max_ngram_size)")
     p.add_argument("--no-llm-pipeline", action="store_true", help="leave genai's LLMPipeline out")
     p.add_argument("--ours-only", action="store_true", help="ovserve without and with speculation only")
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.out).write_text(json.dumps(curve, indent=1))
         return 0
     streams = [int(s) for s in a.streams.split(",")]
-    ours_plain, ours_lookup = ours(a.model, 0, a.ngram), ours(a.model, a.k, a.ngram)
+    our_k = a.k if a.our_k is None else a.our_k
+    ours_plain, ours_lookup = ours(a.model, 0, a.ngram), ours(a.model, our_k, a.ngram)
     engines: dict[str, Generate] = {"ovserve": ours_generate(ours_plain), "ovserve+lookup": ours_generate(ours_lookup)}
     single: dict[str, Generate] = {}
     if not a.ours_only:
@@ -234,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "model": a.model,
         "k": a.k,
+        "our_k": our_k,
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,
         "load_before": os.getloadavg(),

@@ -281,7 +281,9 @@ class Oracle:
     WRONG = 5
 
     def __init__(self, prompts, replies) -> None:
-        self.sequences = [[*p, *(t[0] if isinstance(t, tuple) else t for t in r)] for p, r in zip(prompts, replies)]
+        self.sequences = [
+            [*p, *(t[0] if isinstance(t, tuple) else t for t in r)] for p, r in zip(prompts, replies, strict=True)
+        ]
 
     def propose(self, token_ids, k):
         n = len(token_ids)
@@ -418,7 +420,7 @@ def test_a_request_whose_guesses_miss_loses_its_drafts_and_gets_them_back_when_i
     s = scheduler(k=4, overhead=8.0)
     r = decoding(s, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9])  # first token 1: lookup offers 2, 3, ...
     offered = []
-    for token in (50, 51, 52, 53, 54):  # the reply leaves every guess at once
+    for token in range(50, 58):  # the reply leaves every guess at once
         plan = s.schedule()
         offered.append(len(plan.chunks[0].drafts))
         s.update(plan, [[token]])

@@ -28,7 +28,7 @@ PRIOR_ACCEPTANCE = 0.5
 # (relative tokens per second). Then the step's shape (its token count) stays as it was, which matters on a
 # CPU: a step of another shape than the one before costs the CPU plugin time to prepare its kernels and
 # buffers (SmolLM2 on 2 cores: 24 ms for a one-token step after a one-token step, 38 ms after a six-token one).
-HYSTERESIS = 0.05
+HYSTERESIS = 0.15
 
 
 class Proposer(Protocol):
