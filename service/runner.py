@@ -169,7 +169,8 @@ class ModelRunner:
             "block_indices": block_ids,
             SAMPLED_ROWS: sampled,
         }
-        shape = (input_ids.size, len(seqs), block_ids.size, sampled.size)
+        # the block table's length changes as sequences grow, at no measurable cost: not part of the key
+        shape = (input_ids.size, len(seqs), sampled.size)
         self.shape_changed, self._last_shape = shape != self._last_shape, shape
         request = self.request
         if self.single_token_request is not None and input_ids.size == 1:
