@@ -69,6 +69,8 @@ class ModelRunner:
             # and a server meets a new shape with almost every new prompt length.
             "CPU_RUNTIME_CACHE_CAPACITY": config.kernel_cache_shapes,
         }
+        if config.inference_precision is not None:
+            properties["INFERENCE_PRECISION_HINT"] = config.inference_precision
         if config.dq_group_size is not None:
             properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = config.dq_group_size
         self.compiled = core.compile_model(model, "CPU", properties)

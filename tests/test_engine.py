@@ -21,7 +21,13 @@ GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 def engine(tiny_qwen3_fp16_ir):
     e = Engine(
         tiny_qwen3_fp16_ir,
-        EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=64, max_num_seqs=8, kv_cache_precision=PRECISION),
+        EngineConfig(
+            kv_cache_gb=0.02,
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+            kv_cache_precision=PRECISION,
+            inference_precision="f32",
+        ),
     )
     e.start()
     yield e
@@ -90,7 +96,12 @@ def test_mixed_prefill_and_decode_match_reference(engine, reference):
 def test_preemption_keeps_outputs_exact(engine, tiny_qwen3_fp16_ir, reference):
     block_bytes = engine.info.kv_cache_bytes / engine.info.num_kv_blocks
     # 8 blocks of 32 tokens: four 100-token sequences cannot all fit at once.
-    config = EngineConfig(kv_cache_gb=8 * block_bytes / 2**30, max_num_batched_tokens=64, kv_cache_precision=PRECISION)
+    config = EngineConfig(
+        kv_cache_gb=8 * block_bytes / 2**30,
+        max_num_batched_tokens=64,
+        kv_cache_precision=PRECISION,
+        inference_precision="f32",
+    )
     small = Engine(tiny_qwen3_fp16_ir, config)
     small.start()
     try:
@@ -204,7 +215,11 @@ def test_fast_single_stream_shares_the_kv_cache(tiny_qwen3_fp16_ir, reference):
     """Prompt chunks run on the main compiled model, one-token steps on the copy: with uncompressed weights
     (no dynamic quantization either way) the copy must continue exactly from the KV the main one wrote."""
     config = EngineConfig(
-        kv_cache_gb=0.02, max_num_batched_tokens=64, kv_cache_precision=PRECISION, fast_single_stream=True
+        kv_cache_gb=0.02,
+        max_num_batched_tokens=64,
+        kv_cache_precision=PRECISION,
+        inference_precision="f32",
+        fast_single_stream=True,
     )
     fast = Engine(tiny_qwen3_fp16_ir, config)
     fast.start()
@@ -258,12 +273,20 @@ def test_int4_weights_are_served_as_the_stateful_ir_runs_them(tiny_qwen3_int4_ir
     stateful IR gives, alone and batched, with 4-bit weights in the matmuls."""
     ir = ov.Core().read_model(tiny_qwen3_int4_ir / "openvino_model.xml")
     assert any(op.get_output_element_type(0).get_type_name() in ("u4", "i4") for op in ir.get_ops())
-    config = EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=64, max_num_seqs=8, kv_cache_precision=PRECISION)
+    # without dynamic quantization of activations on either side: it rounds a many-token step differently
+    config = EngineConfig(
+        kv_cache_gb=0.02,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        kv_cache_precision=PRECISION,
+        inference_precision="f32",
+        dq_group_size=0,
+    )
     engine = Engine(tiny_qwen3_int4_ir, config)
     engine.start()
     try:
         ps = prompts(4, seed=5)
-        reference = StatefulReference(tiny_qwen3_int4_ir)
+        reference = StatefulReference(tiny_qwen3_int4_ir, DYNAMIC_QUANTIZATION_GROUP_SIZE=0)
 
         async def main():
             return await asyncio.gather(*(collect(engine, p) for p in ps))

@@ -206,7 +206,7 @@ def test_the_scheduler_offers_only_drafts_the_grammar_admits(qwen, tiny_qwen3_ir
         max_num_seqs=4, max_num_batched_tokens=64, speculation="auto", speculative_tokens=4, speculative_max_seqs=4
     )
     s = Scheduler(config, KVCacheManager(32, 4), 64, proposer=FixedProposer([]))
-    s.step_times.overhead = 1000.0  # drafts as good as free: the rule offers all the proposer has
+    s.step_times.prior_overhead = 1000.0  # drafts as good as free: the rule offers all the proposer has
     request = constrained(qwen, ResponseFormat.json_object())
     s.add(request)
     plan = s.schedule()

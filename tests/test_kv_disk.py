@@ -37,6 +37,7 @@ def make_engine(model, disk_dir, precision="f16", **kw) -> Engine:
     config = EngineConfig(
         kv_cache_gb=RAM_GB[precision],
         kv_cache_precision=precision,
+        inference_precision="f32",
         max_num_batched_tokens=64,
         kv_disk_dir=str(disk_dir) if disk_dir else None,
         **kw,
@@ -245,7 +246,7 @@ def test_restored_u8_blocks_are_byte_identical(tiny_qwen3_ir, tmp_path):
 def test_a_server_restarted_with_sigterm_restores_from_disk(tiny_qwen3_fp16_ir, tmp_path):
     """The whole path: the gRPC server drains on SIGTERM (its queued writes reach the disk), a new process
     finds the blocks, and the reply says how many prompt tokens came from disk."""
-    args = ("--kv-disk-dir", str(tmp_path), "--kv-cache-precision", "f16")
+    args = ("--kv-disk-dir", str(tmp_path), "--kv-cache-precision", "f16", "--inference-precision", "f32")
     request = {"prompt_token_ids": HISTORY, "max_new_tokens": 10, "ignore_eos": True, "timeout": TIMEOUT}
     replies = []
     for _ in range(2):

@@ -75,7 +75,9 @@ def base_config(model: Path, **kw) -> ServerConfig:
 def server(tiny_qwen3_fp16_ir):
     # Uncompressed weights and an f16 KV cache: batched and lone requests must give identical greedy text,
     # and int8 kernels or a u8 cache filled in chunks round near-tied logits of a random model differently.
-    running = Running(base_config(tiny_qwen3_fp16_ir, max_num_seqs=16, kv_cache_precision="f16"))
+    running = Running(
+        base_config(tiny_qwen3_fp16_ir, max_num_seqs=16, kv_cache_precision="f16", inference_precision="f32")
+    )
     yield running
     running.stop()
 

@@ -41,7 +41,9 @@ def tiny(tiny_qwen3_ir):
 
 @pytest.fixture(scope="module")
 def smol(smollm2_ir):
-    running = Running(base_config(smollm2_ir, max_num_seqs=8))
+    # no prefix cache: a seeded request asked twice computes the same steps (a cached prefix leaves a
+    # shorter last step, whose int8 kernels may round a near tie differently)
+    running = Running(base_config(smollm2_ir, max_num_seqs=8, enable_prefix_caching=False))
     yield running
     running.stop()
 

@@ -25,6 +25,12 @@ class EngineConfig:
     threads: int | None = setting(None, "inference threads (default: the CPUs this process may use)")
     kv_cache_gb: float = setting(1.0, "KV cache budget in GiB")
     kv_cache_precision: str = setting("u8", "KV cache element type", ("u8", "f16", "f32"))
+    inference_precision: str | None = setting(
+        None,
+        "activation precision of the model's computations (default: the CPU plugin's, bf16 on CPUs with "
+        "AVX512_BF16 or AMX, else f32); f32 makes a many-token step compute exactly what one-token steps do",
+        ("f32", "bf16", "f16"),
+    )
     dq_group_size: int | None = setting(
         None,
         "activation channels per dynamic-quantization group in int8 matmuls (default: the CPU plugin's, 32; "

@@ -343,7 +343,7 @@ class Scheduler:
                 break
             tokens += num_new
             sampled += request.num_computed_tokens + num_new == request.num_tokens
-        return StepCost(self.step_times.overhead, tokens, max(1, sampled))
+        return StepCost(self.step_times, tokens, max(1, sampled))
 
     def _speculates(self, request: Request) -> bool:
         return (request.params.speculation or self.speculation) == "auto"

@@ -12,6 +12,7 @@ or continue a given text) copies long spans of its input, and the request's own 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -107,21 +108,20 @@ class DraftStats:
 class StepCost:
     """One step's tokens and expected output, for deciding how many drafts pay in it.
 
-    A step of T tokens takes about c * (F + T): F is the fixed part (reading the weights once, launching
-    the kernels) in units of one token's work c. The step yields `produced` tokens (one per sampled
-    request plus the drafts expected to be kept). k more drafts for a request whose step is expected to
-    yield E(k) tokens take the rate from produced / (F + T) to (produced + E(k) - 1) / (F + T + k). Drafts
-    are nearly free in a small step, which is bound by reading the weights, and must be likely to be kept
-    in a large one, which is bound by compute."""
+    The step yields `produced` tokens (one per sampled request plus the drafts expected to be kept) in
+    times.cost(tokens). k more drafts for a request whose step is expected to yield E(k) tokens take the
+    rate from produced / cost(T) to (produced + E(k) - 1) / cost(T + k). Drafts are nearly free in a small
+    step, which is bound by reading the weights, and must be likely to be kept in a large one, which is bound
+    by compute; the measured table (StepTimes) says where a step is between the two."""
 
-    overhead: float  # F
-    tokens: float  # T so far
+    times: StepTimes
+    tokens: int  # T so far
     produced: float
 
     def rate(self, stats: DraftStats, num_drafts: int) -> float:
-        """Expected tokens per unit of work of the step if the request gets num_drafts drafts."""
+        """Expected tokens per unit of time of the step if the request gets num_drafts drafts."""
         gained = stats.expected_tokens(num_drafts) - 1
-        return (self.produced + gained) / (self.overhead + self.tokens + num_drafts)
+        return (self.produced + gained) / self.times.cost(self.tokens + num_drafts)
 
     def best(self, stats: DraftStats, limit: int) -> int:
         """The number of drafts (at most limit) that gives the step the most tokens per second: the one
@@ -137,59 +137,75 @@ class StepCost:
 
 
 class StepTimes:
-    """A step's fixed cost F (StepCost.overhead), fitted to the times of the steps the engine runs.
+    """What a step costs against its tokens: a table of seconds by token count, filled from the engine's
+    own steps of an unchanged shape (the warm-up's first, then the live ones).
 
-    A step of T tokens takes about a + b * T seconds, so F = a / b. The fit is least squares over the
-    observed steps, each weighing DECAY of the one after it, so F follows the machine as other work comes
-    and goes (a loaded machine changes the balance between reading the weights and computing). Only steps
-    of at most max_tokens tokens are fitted: drafts are decided in small steps, and a long prompt chunk
-    (attention over its whole length, a different kernel path) would pull the line away from them. F
-    moves only while the recent steps differ enough in size to show a slope; a step time more than
-    CLIP times off the current line counts as CLIP times (a scheduler hiccup or a first-time kernel
-    compile must not swing the rule); F stays within [MIN, MAX]."""
+    A table, not a fitted line, because the CPU's kernels favour some row counts: SmolLM2 int8 on 2 AVX-512
+    cores took 16.2, 16.9, 17.9, 19.7, 23.7 and 23.7 ms for steady steps of 1 to 6 tokens, then 24.8 ms at
+    8 and 25.3 ms at 16; a line through those calls a fifth draft cheap and a fourth dear, both wrongly.
+    Each size keeps a running mean of its steps, each new step weighing at least ALPHA, so the table follows
+    the machine as other work comes and goes; a step more than CLIP times off what the table predicted
+    counts as CLIP times (a scheduler hiccup must not swing the rule). A size never seen is interpolated
+    between its measured neighbours, or beyond them along the prior line F + T (F = `overhead`, a step's
+    fixed part in units of one token's work), which is also the whole model before any step is measured.
+    Steps above max_tokens are left out: drafts are decided in small steps, and a long prompt chunk runs
+    another kernel path."""
 
-    DECAY = 0.99  # about the last hundred steps count
+    ALPHA = 0.1  # about the last ten steps of a size count
     CLIP = 1.5
-    MIN, MAX = 1.0, 64.0
-    MIN_SPREAD = 1.0  # the weighted standard deviation of T, in tokens, needed to fit a slope
 
     def __init__(self, overhead: float = 8.0, max_tokens: int = 64) -> None:
-        self.overhead = overhead
+        self.prior_overhead = overhead
         self.max_tokens = max_tokens
-        self.intercept: float | None = None  # a and b of the current fit, in seconds
-        self.slope: float | None = None
+        self.seconds: dict[int, float] = {}  # by tokens in the step
+        self.counts: dict[int, int] = {}
+        self.sizes: list[int] = []  # the measured sizes, ascending
         self.num_observed = 0
-        self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums of 1, T, t, T^2, T*t
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One step of `tokens` tokens took `seconds` (its model execution, not the Python around it)."""
         if not 1 <= tokens <= self.max_tokens or seconds <= 0:
             return
         predicted = self.predict(tokens)
-        if predicted is not None and predicted > 0:
+        if predicted is not None:
             seconds = min(max(seconds, predicted / self.CLIP), predicted * self.CLIP)
-        d = self.DECAY
-        self._w, self._x, self._y = d * self._w + 1, d * self._x + tokens, d * self._y + seconds
-        self._xx, self._xy = d * self._xx + tokens * tokens, d * self._xy + tokens * seconds
+        count = self.counts.get(tokens, 0) + 1
+        self.counts[tokens] = count
+        if count == 1:
+            self.seconds[tokens] = seconds
+            bisect.insort(self.sizes, tokens)
+        else:
+            self.seconds[tokens] += max(1 / count, self.ALPHA) * (seconds - self.seconds[tokens])
         self.num_observed += 1
-        self._fit()
 
     def predict(self, tokens: int) -> float | None:
-        """The fitted seconds of a step of `tokens` tokens; None before the first fit."""
-        if self.intercept is None or self.slope is None:
+        """The seconds of a step of `tokens` tokens; None before any step was measured."""
+        if not self.sizes:
             return None
-        return self.intercept + self.slope * tokens
+        if tokens in self.seconds:
+            return self.seconds[tokens]
+        i = bisect.bisect(self.sizes, tokens)
+        if 0 < i < len(self.sizes):
+            lo, hi = self.sizes[i - 1], self.sizes[i]
+            return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (tokens - lo) / (hi - lo)
+        nearest = self.sizes[0] if i == 0 else self.sizes[-1]
+        f = self.prior_overhead
+        return self.seconds[nearest] * (f + tokens) / (f + nearest)
 
-    def _fit(self) -> None:
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var_x = self._xx / self._w - mean_x * mean_x
-        if var_x < self.MIN_SPREAD**2:
-            return
-        slope = (self._xy / self._w - mean_x * mean_y) / var_x
-        if slope <= 0:  # noise, or steps that got faster with more tokens: nothing to learn about F
-            return
-        self.slope, self.intercept = slope, mean_y - slope * mean_x
-        self.overhead = min(max(self.intercept / slope, self.MIN), self.MAX)
+    def cost(self, tokens: int) -> float:
+        """A step's cost, in seconds once any step was measured, before that along the prior line: only
+        ratios of costs are compared."""
+        predicted = self.predict(tokens)
+        return self.prior_overhead + tokens if predicted is None else predicted
+
+    @property
+    def overhead(self) -> float:
+        """F of the table (a gauge): a one-token step's fixed part in units of the extra time each token
+        up to 8 adds, within [1, 64]."""
+        slope = (self.cost(8) - self.cost(1)) / 7
+        if slope <= 0:
+            return 64.0
+        return min(max((self.cost(1) - slope) / slope, 1.0), 64.0)
 
 
 def accept_greedy(drafts: Sequence[int], model_tokens: Sequence[int]) -> list[int]:

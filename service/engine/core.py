@@ -142,17 +142,25 @@ class EngineCore:
         # steps (prompt chunks and decode steps differ in size) fit it: no server start pays for the warm-up
         if self.config.speculative_tokens > 0 and self.config.speculation == "auto":
             self._measure_step_times()
-            log.info("speculative decoding: a step's fixed cost is %.1f tokens' work", self.step_times.overhead)
+            log.info(
+                "speculative decoding: steps of 1..%d tokens take %s ms",
+                max(self.step_times.sizes),
+                ", ".join(f"{n}: {1000 * self.step_times.seconds[n]:.1f}" for n in self.step_times.sizes),
+            )
         if self.disk_tier is not None:
             self.disk_tier.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
 
-    def _measure_step_times(self, sizes: tuple[int, ...] = (1, 8, 16), repeats: int = 3) -> None:
-        """Give the cost model its first points: steps of a few sizes, all their logits rows wanted as drafts
-        want them, each size run repeats times after one unmeasured step (which prepares the kernels of its
-        new shape). The live steps take over from there."""
+    def _measure_step_times(self, repeats: int = 2) -> None:
+        """Give the cost table its first entries: a step of each size a request's drafts can make (1 to
+        K + 1 tokens) and a few larger ones that several requests' steps reach, all their logits rows wanted
+        as drafts want them, each size run repeats times after one unmeasured step (which prepares the
+        kernels of its new shape). The live steps take over from there."""
+        largest = min(self.step_times.max_tokens, self.config.max_num_batched_tokens)
+        sizes = sorted({*range(1, self.config.speculative_tokens + 2), 8, 16, 32})
+        sizes = [n for n in sizes if n <= largest]
         blocks = list(range(-(-(8 + max(sizes)) // self.runner.block_size)))
         for n in sizes:
             for i in range(repeats + 1):
@@ -451,6 +459,7 @@ def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> b
         "model": model.digest,
         "cache_format": cache_format,
         "kv_cache_precision": config.kv_cache_precision,
+        "inference_precision": config.inference_precision,
         "dq_group_size": config.dq_group_size,
         "fast_single_stream": config.fast_single_stream,
     }
