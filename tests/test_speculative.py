@@ -20,7 +20,6 @@ from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler
 from service.core.speculative import (
-    HYSTERESIS,
     PRIOR_ACCEPTANCE,
     DraftStats,
     PromptLookup,
@@ -402,21 +401,39 @@ def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
     assert (crowd.tokens, crowd.produced) == (37, pytest.approx(32 + stats.expected_tokens(5) - 1))
 
 
-def test_a_request_keeps_its_number_of_drafts_unless_another_is_clearly_better():
-    """A step of the same shape as the one before is cheaper, so the choice does not flap."""
-    cost = StepCost(StepTimes(20), tokens=1, produced=1)
-    stats = runs_of(*[1, 4] * 10)  # 4 drafts are best, 5 nearly as good, 1 far worse
-    rates = [cost.rate(stats, k) for k in range(6)]
-    best = cost.best(stats, 5)
-    assert rates[best] == max(rates)
-    close = [k for k in range(6) if k != best and rates[k] * (1 + HYSTERESIS) >= rates[best]]
-    far = [k for k in range(6) if rates[k] * (1 + HYSTERESIS) < rates[best]]
-    assert close and far, rates
-    stats.num_drafts = close[0]  # last step's choice: not the best, but within HYSTERESIS of it
-    assert cost.best(stats, 5) == close[0]
-    stats.num_drafts = far[0]  # far from the best: changed
-    assert cost.best(stats, 5) == best
-    assert cost.best(stats, 0) == 0  # and never beyond the limit
+def test_a_request_keeps_its_number_of_drafts_unless_a_change_of_shape_pays():
+    """A step of the same shape as the one before is cheaper: a request switches to a better number of
+    drafts only when what the switch saves over HORIZON steps exceeds what a change of shape costs."""
+    times = StepTimes()
+    for n, seconds in {1: 0.0162, 2: 0.0169, 3: 0.0179, 4: 0.0197, 5: 0.0237, 6: 0.0237}.items():
+        times.observe(n, seconds)
+    times.observe_change(1, 0.0162 + 0.005)  # a change of shape: 5 ms more
+    assert times.change_seconds == pytest.approx(0.005)
+    cost = StepCost(times, tokens=1, produced=1)
+    copying = runs_of(*[5] * 10)  # every guess kept whole
+    rates = [cost.rate(copying, k) for k in range(6)]
+    assert max(range(6), key=rates.__getitem__) == 5 and rates[5] < 1.25 * rates[4]  # 5 drafts: 20% better than 4
+    for kept in range(6):  # 4 steps at 20% faster save more than the 5 ms a change costs: switch
+        copying.num_drafts = kept
+        assert cost.best(copying, 5) == 5
+    for _ in range(50):  # changes got far dearer: 30 ms
+        times.observe_change(1, 0.0162 + 0.030)
+    copying.num_drafts = 4
+    assert cost.best(copying, 5) == 4
+    copying.num_drafts = 0  # but no drafts at all against five kept ones: 6 tokens a step instead of 1
+    assert cost.best(copying, 5) == 5
+    assert cost.best(copying, 0) == 0  # and never beyond the limit
+
+
+def test_a_first_change_of_shape_costs_a_quarter_step_until_measured():
+    times = StepTimes(overhead=8.0)
+    assert times.change_cost(4) == pytest.approx(12 / 4)  # the prior line's step
+    times.observe_change(4, 1.0)  # nothing to compare it with yet
+    assert times.change_seconds is None
+    times.observe(4, 0.020)
+    assert times.change_cost(4) == pytest.approx(0.005)
+    times.observe_change(4, 5.0)  # a first-ever shape compiles kernels too: at most twice the step
+    assert times.change_seconds == pytest.approx(0.040)
 
 
 def test_a_request_whose_guesses_miss_loses_its_drafts_and_gets_them_back_when_it_copies():

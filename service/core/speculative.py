@@ -25,11 +25,11 @@ from typing import Protocol
 # starts from one run's worth of a prior that keeps each draft with probability PRIOR_ACCEPTANCE.
 DECAY = 0.7
 PRIOR_ACCEPTANCE = 0.5
-# A request keeps the number of drafts it was offered last unless another number promises this much more
-# (relative tokens per second). Then the step's shape (its token count) stays as it was, which matters on a
-# CPU: a step of another shape than the one before costs the CPU plugin time to prepare its kernels and
-# buffers (SmolLM2 on 2 cores: 24 ms for a one-token step after a one-token step, 38 ms after a six-token one).
-HYSTERESIS = 0.15
+# A step of another shape than the one before costs the CPU plugin time to prepare its kernels and buffers
+# (StepTimes.change_seconds: SmolLM2 on 2 cores, 5 ms on a 16 ms step with AVX-512, 14 ms on a 24 ms step with
+# AVX2). A request changes its number of drafts, and so the step's shape, only when the better number's gain
+# over the next HORIZON steps pays for that once.
+HORIZON = 4
 
 
 class Proposer(Protocol):
@@ -124,12 +124,14 @@ class StepCost:
         return (self.produced + gained) / self.times.cost(self.tokens + num_drafts)
 
     def best(self, stats: DraftStats, limit: int) -> int:
-        """The number of drafts (at most limit) that gives the step the most tokens per second: the one
-        the request had last step unless another is clearly better (HYSTERESIS)."""
+        """The number of drafts (at most limit) that gives the step the most tokens per second, unless the
+        request's last number is within what a change of the step's shape costs: the time a switch saves
+        over HORIZON steps, HORIZON * cost * (1 - kept rate / best rate), must exceed change_seconds."""
         rates = [self.rate(stats, k) for k in range(limit + 1)]
         best = max(range(limit + 1), key=rates.__getitem__)
         kept = min(stats.num_drafts, limit)
-        return kept if rates[kept] * (1 + HYSTERESIS) >= rates[best] else best
+        saved = HORIZON * self.times.cost(self.tokens + kept) * (1 - rates[kept] / rates[best])
+        return best if saved > self.times.change_cost(self.tokens + kept) else kept
 
     def add(self, num_drafts: int, stats: DraftStats) -> None:
         self.tokens += num_drafts
@@ -161,6 +163,8 @@ class StepTimes:
         self.counts: dict[int, int] = {}
         self.sizes: list[int] = []  # the measured sizes, ascending
         self.num_observed = 0
+        # what a step of another shape than the one before costs beyond its size's time; None until measured
+        self.change_seconds: float | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One step of `tokens` tokens took `seconds` (its model execution, not the Python around it)."""
@@ -177,6 +181,26 @@ class StepTimes:
         else:
             self.seconds[tokens] += max(1 / count, self.ALPHA) * (seconds - self.seconds[tokens])
         self.num_observed += 1
+
+    def observe_change(self, tokens: int, seconds: float) -> None:
+        """A step of `tokens` tokens whose shape differed from the step before's took `seconds`: its excess
+        over the table is what a change of shape costs (a running mean; a first-ever shape, which also
+        compiles kernels, counts as at most twice its size's time)."""
+        predicted = self.predict(tokens)
+        if predicted is None or not 1 <= tokens <= self.max_tokens:
+            return
+        excess = min(max(seconds - predicted, 0.0), 2 * predicted)
+        if self.change_seconds is None:
+            self.change_seconds = excess
+        else:
+            self.change_seconds += self.ALPHA * (excess - self.change_seconds)
+
+    def change_cost(self, tokens: int) -> float:
+        """What a change of shape adds to a step of `tokens` tokens, in cost()'s units: measured, or before
+        that, a quarter of the step (the size of the effect on the CPUs measured here)."""
+        if self.change_seconds is None or self.predict(tokens) is None:
+            return self.cost(tokens) / 4
+        return self.change_seconds
 
     def predict(self, tokens: int) -> float | None:
         """The seconds of a step of `tokens` tokens; None before any step was measured."""

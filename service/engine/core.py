@@ -143,9 +143,9 @@ class EngineCore:
         if self.config.speculative_tokens > 0 and self.config.speculation == "auto":
             self._measure_step_times()
             log.info(
-                "speculative decoding: steps of 1..%d tokens take %s ms",
-                max(self.step_times.sizes),
+                "speculative decoding: steps take %s ms by tokens, a change of shape %.1f ms more",
                 ", ".join(f"{n}: {1000 * self.step_times.seconds[n]:.1f}" for n in self.step_times.sizes),
+                1000 * (self.step_times.change_seconds or 0.0),
             )
         if self.disk_tier is not None:
             self.disk_tier.start()
@@ -168,6 +168,12 @@ class EngineCore:
                 self.runner.execute([StepInput([0] * n, 8, blocks, n)])
                 if i:
                     self.step_times.observe(n, time.perf_counter() - start)
+        # and what a change of shape costs: steps alternating between no drafts and K, shapes seen above
+        for i in range(2 * repeats):
+            n = 1 + (i % 2) * self.config.speculative_tokens
+            start = time.perf_counter()
+            self.runner.execute([StepInput([0] * n, 8, blocks, n)])
+            self.step_times.observe_change(n, time.perf_counter() - start)
 
     def stop(self) -> None:
         """Fail what is left with UNAVAILABLE and end the thread."""
@@ -302,7 +308,9 @@ class EngineCore:
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
-        if not self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
+        if self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
+            self.step_times.observe_change(plan.num_tokens, clock.seconds["execute"])
+        else:
             self.step_times.observe(plan.num_tokens, clock.seconds["execute"])
         by_id = {}
         if pending is not None:
