@@ -9,7 +9,8 @@ they would in use, up to --max-new-tokens each, so that all see the same backgro
 - openvino-genai's ContinuousBatchingPipeline without and with prompt lookup (the `prompt_lookup` property).
 
 genai's lookup runs at its recommended settings (the prompt-lookup sample's num_assistant_tokens=5,
-max_ngram_size=3), ours with the same K and n-gram. Two workloads: `edit` (bench/prompts-edit.jsonl: English
+max_ngram_size=3), ours at its defaults (at most 10 drafts, its cost rule choosing how many; --our-k changes
+that) with the same n-gram. Two workloads: `edit` (bench/prompts-edit.jsonl: English
 and Chinese texts of 150-400 tokens to rewrite, correct, translate keeping the quotations, or repeat and
 continue; the work prompt lookup is for) and `writing` (bench/prompts.jsonl: open-ended writing, emails,
 summaries; little is copied). At N streams each round submits N prompts at once (the set cycled, shifted each
@@ -31,13 +32,14 @@ from statistics import median
 from typing import Any
 
 from bench import run, workers
+from service.core.config import EngineConfig
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {"edit": HERE / "prompts-edit.jsonl", "writing": HERE / "prompts.jsonl"}
 Generate = Callable[[list[list[int]], int], list[list[int]]]  # prompts, max new tokens -> replies
 
 
-def ours(model: str, k: int, ngram: int) -> Any:
+def ours(model: str, k: int, ngram: int, precision: str | None = None) -> Any:
     # speculative_max_seqs at its largest: the cost rule alone decides how many drafts pay at each load
     settings = {
         "speculation": "auto" if k else "off",
@@ -45,6 +47,8 @@ def ours(model: str, k: int, ngram: int) -> Any:
         "prompt_lookup_max_ngram": ngram,
         "speculative_max_seqs": 32,
     }
+    if precision is not None:
+        settings["inference_precision"] = precision
     return workers.our_engine(
         {"model": model, "budget": workers.budget_dict(workers.BUDGET)}, prefix_caching=False, settings=settings
     )
@@ -206,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--k", type=int, default=5, help="draft tokens per step (genai: num_assistant_tokens)")
     p.add_argument(
-        "--our-k", type=int, help="ovserve's --speculative-tokens, its cost rule choosing up to it (default: --k)"
+        "--our-k",
+        type=int,
+        help="ovserve's --speculative-tokens, its cost rule choosing up to it (default: ovserve's default)",
+    )
+    p.add_argument(
+        "--our-precision",
+        choices=("f32", "bf16", "f16"),
+        help="ovserve's --inference-precision (default: its own default); genai's is always the plugin's",
     )
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram matched (genai: max_ngram_size)")
     p.add_argument("--no-llm-pipeline", action="store_true", help="leave genai's LLMPipeline out")
@@ -225,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.out).write_text(json.dumps(curve, indent=1))
         return 0
     streams = [int(s) for s in a.streams.split(",")]
-    our_k = a.k if a.our_k is None else a.our_k
-    ours_plain, ours_lookup = ours(a.model, 0, a.ngram), ours(a.model, our_k, a.ngram)
+    our_k = EngineConfig().speculative_tokens if a.our_k is None else a.our_k
+    ours_plain = ours(a.model, 0, a.ngram, a.our_precision)
+    ours_lookup = ours(a.model, our_k, a.ngram, a.our_precision)
     engines: dict[str, Generate] = {"ovserve": ours_generate(ours_plain), "ovserve+lookup": ours_generate(ours_lookup)}
     single: dict[str, Generate] = {}
     if not a.ours_only:
@@ -239,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": a.model,
         "k": a.k,
         "our_k": our_k,
+        "our_precision": ours_plain.config.inference_precision,
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,
         "load_before": os.getloadavg(),

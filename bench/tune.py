@@ -17,6 +17,7 @@ median of those is the answer. Knobs:
 - kernel_cache_shapes: the CPU plugin's own runtime-cache size (5000 step shapes) vs ours (64), under
   Poisson arrivals, whose varied prompt chunks make many shapes. oneDNN's primitive cache size is one per
   process, set by the first engine (A), so only the plugin's cache differs between the two.
+- inference_precision: bf16 (the CPU plugin's own default on CPUs with AVX512_BF16 or AMX) vs ours (f32).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ KNOBS: dict[str, tuple[dict, dict]] = {
     ),
     "fast_single_stream": ({}, {"fast_single_stream": True}),
     "kernel_cache_shapes": ({"kernel_cache_shapes": 5000}, {"kernel_cache_shapes": workers.BUDGET.kernel_cache_shapes}),
+    "inference_precision": (
+        {"inference_precision": "bf16"},
+        {"inference_precision": workers.BUDGET.inference_precision},
+    ),
 }
 ARRIVAL_KNOBS = (
     "batch_window_ms",
