@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--our-precision",
-        choices=("f32", "bf16", "f16"),
+        choices=("f32", "bf16", "f16", "auto"),
         help="ovserve's --inference-precision (default: its own default); genai's is always the plugin's",
     )
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram matched (genai: max_ngram_size)")

@@ -10,6 +10,7 @@ from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig
 from service.errors import InvalidArgument
+from service.runner import ModelRunner
 from tests.reference import StatefulReference
 
 NEW = 12
@@ -209,6 +210,35 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
     assert_no_blocks_held(engine)
     tokens, _, _ = run(collect(engine, [5, 6, 7]))
     assert len(tokens) == NEW
+
+
+def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(tiny_qwen3_fp16_ir, reference):
+    """auto: steps of more than 32 tokens on a bf16 copy where the plugin defaults to bf16, the rest in f32.
+    The f32 steps continue from the KV the bf16 copy wrote (the u8 cache, whose type both share): replies
+    agree with the f32 reference but for near ties that bf16 or the u8 cache round the other way, so most
+    tokens, not all, must match."""
+    engine = Engine(
+        tiny_qwen3_fp16_ir, EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=64, inference_precision="auto")
+    )
+    engine.start()
+    try:
+        plugin_default = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+        assert (engine.core.runner.large_step_request is not None) == ("bfloat16" in plugin_default)
+        ps = [p * 2 for p in prompts(3, seed=13)]  # prompts of more than 32 tokens: a bf16 step where there is one
+
+        async def main():
+            return await asyncio.gather(*(collect(engine, p) for p in ps))
+
+        replies = [tokens for tokens, _, _ in run(main())]
+        assert all(len(tokens) == NEW for tokens in replies)
+        expected = [reference.greedy(p, NEW) for p in ps]
+        matching = [sum(a == b for a, b in zip(*pair, strict=True)) for pair in zip(replies, expected, strict=True)]
+        assert sum(matching) >= len(ps) * NEW // 2, matching
+        assert_no_blocks_held(engine)
+    finally:
+        engine.shutdown()
+    f16_cache = EngineConfig(kv_cache_gb=0.02, kv_cache_precision="f16", inference_precision="auto")
+    assert ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", f16_cache).large_step_request is None  # bf16's
 
 
 def test_fast_single_stream_shares_the_kv_cache(tiny_qwen3_fp16_ir, reference):

@@ -605,6 +605,25 @@ def test_step_times_fill_sizes_never_seen():
     assert times.predict(400) == long_prompt
 
 
+def test_step_times_of_several_sequences_add_the_one_sequence_curves_difference():
+    """A step of 8 sequences costs more than one sequence of 8 tokens; drafts beside them cost what the
+    one-sequence curve adds per token, not the one-sequence step's time."""
+    times = StepTimes()
+    one = {1: 0.0126, 8: 0.0158, 10: 0.0179, 16: 0.0214}
+    for n, seconds in one.items():
+        times.observe(n, seconds)
+    times.observe(8, 0.0206, sequences=8)
+    assert times.predict(8, sequences=8) == pytest.approx(0.0206)
+    assert times.predict(10, sequences=8) == pytest.approx(0.0206 + 0.0179 - 0.0158)
+    assert times.predict(9, sequences=4) == pytest.approx(times.predict(9))  # no step of 4 yet: the curve
+    crowd = StepCost(times, tokens=8, produced=8, sequences=8)
+    assert (
+        crowd.best(runs_of(*[0, 1] * 10), 5) == 0
+    )  # a draft kept half the time: 6% more tokens, 5% dearer, not worth a change of shape
+    alone = StepCost(times, tokens=1, produced=1)
+    assert alone.best(runs_of(*[0, 1] * 10), 5) == 1  # alone, the same draft is nearly free
+
+
 def test_one_wild_step_moves_the_estimate_little():
     times = StepTimes()
     feed(times, lambda n: 0.010 + 0.001 * n)

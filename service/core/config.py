@@ -30,8 +30,10 @@ class EngineConfig:
         "precision of the model's activations; f32 by default, where the CPU plugin's own default is bf16 on "
         "CPUs with AVX512_BF16 or AMX: with int8 weights on AVX512_BF16 it decoded 1.3-1.5x and verified "
         "drafts 1.6-2.1x faster than bf16, while bf16 ran long prompt chunks 1.35-1.75x faster; f32 also makes "
-        "a many-token step compute what one-token steps do on an fp16 model",
-        ("f32", "bf16", "f16"),
+        "a many-token step compute what one-token steps do on an fp16 model; auto: f32, plus a bf16 copy of "
+        "the model for steps of more than 32 tokens (prompt chunks) where the plugin would choose bf16, at the "
+        "cost of a second copy of the weights in memory",
+        ("f32", "bf16", "f16", "auto"),
     )
     dq_group_size: int | None = setting(
         None,

@@ -336,14 +336,15 @@ class Scheduler:
     def _step_cost(self, budget: int) -> StepCost:
         """The step's tokens and sampled requests before any drafts: what the running requests will compute
         (waiting ones admitted after them are not known yet)."""
-        tokens = sampled = 0
+        tokens = sampled = sequences = 0
         for request in self.running:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget - tokens)
             if num_new <= 0:
                 break
             tokens += num_new
+            sequences += 1
             sampled += request.num_computed_tokens + num_new == request.num_tokens
-        return StepCost(self.step_times, tokens, max(1, sampled))
+        return StepCost(self.step_times, tokens, max(1, sampled), max(1, sequences))
 
     def _speculates(self, request: Request) -> bool:
         return (request.params.speculation or self.speculation) == "auto"

@@ -109,7 +109,7 @@ class StepCost:
     """One step's tokens and expected output, for deciding how many drafts pay in it.
 
     The step yields `produced` tokens (one per sampled request plus the drafts expected to be kept) in
-    times.cost(tokens). k more drafts for a request whose step is expected to yield E(k) tokens take the
+    times.cost(tokens, sequences). k more drafts for a request whose step is expected to yield E(k) tokens take the
     rate from produced / cost(T) to (produced + E(k) - 1) / cost(T + k). Drafts are nearly free in a small
     step, which is bound by reading the weights, and must be likely to be kept in a large one, which is bound
     by compute; the measured table (StepTimes) says where a step is between the two."""
@@ -117,11 +117,12 @@ class StepCost:
     times: StepTimes
     tokens: int  # T so far
     produced: float
+    sequences: int = 1  # the step's sequences (drafts add tokens to a sequence, not sequences)
 
     def rate(self, stats: DraftStats, num_drafts: int) -> float:
         """Expected tokens per unit of time of the step if the request gets num_drafts drafts."""
         gained = stats.expected_tokens(num_drafts) - 1
-        return (self.produced + gained) / self.times.cost(self.tokens + num_drafts)
+        return (self.produced + gained) / self.times.cost(self.tokens + num_drafts, self.sequences)
 
     def best(self, stats: DraftStats, limit: int) -> int:
         """The number of drafts (at most limit) that gives the step the most tokens per second, unless the
@@ -130,8 +131,9 @@ class StepCost:
         rates = [self.rate(stats, k) for k in range(limit + 1)]
         best = max(range(limit + 1), key=rates.__getitem__)
         kept = min(stats.num_drafts, limit)
-        saved = HORIZON * self.times.cost(self.tokens + kept) * (1 - rates[kept] / rates[best])
-        return best if saved > self.times.change_cost(self.tokens + kept) else kept
+        step = self.tokens + kept
+        saved = HORIZON * self.times.cost(step, self.sequences) * (1 - rates[kept] / rates[best])
+        return best if saved > self.times.change_cost(step, self.sequences) else kept
 
     def add(self, num_drafts: int, stats: DraftStats) -> None:
         self.tokens += num_drafts
@@ -139,54 +141,61 @@ class StepCost:
 
 
 class StepTimes:
-    """What a step costs against its tokens: a table of seconds by token count, filled from the engine's
+    """What a step costs: a table of seconds by the step's sequences and tokens, filled from the engine's
     own steps of an unchanged shape (the warm-up's first, then the live ones).
 
     A table, not a fitted line, because the CPU's kernels favour some row counts: SmolLM2 int8 on 2 AVX-512
-    cores took 16.2, 16.9, 17.9, 19.7, 23.7 and 23.7 ms for steady steps of 1 to 6 tokens, then 24.8 ms at
-    8 and 25.3 ms at 16; a line through those calls a fifth draft cheap and a fourth dear, both wrongly.
-    Each size keeps a running mean of its steps, each new step weighing at least ALPHA, so the table follows
-    the machine as other work comes and goes; a step more than CLIP times off what the table predicted
-    counts as CLIP times (a scheduler hiccup must not swing the rule). A size never seen is interpolated
-    between its measured neighbours, or beyond them along the prior line F + T (F = `overhead`, a step's
-    fixed part in units of one token's work), which is also the whole model before any step is measured.
-    Steps above max_tokens are left out: drafts are decided in small steps, and a long prompt chunk runs
-    another kernel path."""
+    cores took 16.2, 16.9, 17.9, 19.7, 23.7 and 23.7 ms for steady one-sequence steps of 1 to 6 tokens (bf16
+    activations), then 24.8 ms at 8 and 25.3 ms at 16; a line through those calls a fifth draft cheap and a
+    fourth dear, both wrongly. By sequences too, because a step of 8 sequences of one token costs more than
+    one sequence of 8 tokens (20.6 against 15.8 ms in f32): read off the one-sequence curve, drafts beside
+    other requests looked free. Each entry keeps a running mean of its steps, each new step weighing at least
+    ALPHA, so the table follows the machine as other work comes and goes; a step more than CLIP times off what
+    the table predicted counts as CLIP times (a scheduler hiccup must not swing the rule).
 
-    ALPHA = 0.1  # about the last ten steps of a size count
+    The one-sequence curve is interpolated between its measured sizes, and beyond them follows the prior
+    line F + T (F = `overhead`, a step's fixed part in units of one token's work), which is also the whole
+    model before any step is measured. A step of several sequences never seen is the nearest measured step
+    of as many sequences plus what the one-sequence curve adds for the difference in tokens. Steps above
+    max_tokens are left out: drafts are decided in small steps, and a long prompt chunk runs another kernel
+    path."""
+
+    ALPHA = 0.1  # about the last ten steps of an entry count
     CLIP = 1.5
 
     def __init__(self, overhead: float = 8.0, max_tokens: int = 64) -> None:
         self.prior_overhead = overhead
         self.max_tokens = max_tokens
-        self.seconds: dict[int, float] = {}  # by tokens in the step
-        self.counts: dict[int, int] = {}
-        self.sizes: list[int] = []  # the measured sizes, ascending
+        self.seconds: dict[tuple[int, int], float] = {}  # by (sequences, tokens) in the step
+        self.counts: dict[tuple[int, int], int] = {}
+        self.sizes: dict[int, list[int]] = {}  # by sequences: the measured token counts, ascending
         self.num_observed = 0
-        # what a step of another shape than the one before costs beyond its size's time; None until measured
+        # what a step of another shape than the one before costs beyond its entry; None until measured
         self.change_seconds: float | None = None
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """One step of `tokens` tokens took `seconds` (its model execution, not the Python around it)."""
+    def observe(self, tokens: int, seconds: float, sequences: int = 1) -> None:
+        """One step of `tokens` tokens in `sequences` sequences took `seconds` (its model execution, not
+        the Python around it)."""
         if not 1 <= tokens <= self.max_tokens or seconds <= 0:
             return
-        predicted = self.predict(tokens)
+        predicted = self.predict(tokens, sequences)
         if predicted is not None:
             seconds = min(max(seconds, predicted / self.CLIP), predicted * self.CLIP)
-        count = self.counts.get(tokens, 0) + 1
-        self.counts[tokens] = count
+        key = (sequences, tokens)
+        count = self.counts.get(key, 0) + 1
+        self.counts[key] = count
         if count == 1:
-            self.seconds[tokens] = seconds
-            bisect.insort(self.sizes, tokens)
+            self.seconds[key] = seconds
+            bisect.insort(self.sizes.setdefault(sequences, []), tokens)
         else:
-            self.seconds[tokens] += max(1 / count, self.ALPHA) * (seconds - self.seconds[tokens])
+            self.seconds[key] += max(1 / count, self.ALPHA) * (seconds - self.seconds[key])
         self.num_observed += 1
 
-    def observe_change(self, tokens: int, seconds: float) -> None:
-        """A step of `tokens` tokens whose shape differed from the step before's took `seconds`: its excess
-        over the table is what a change of shape costs (a running mean; a first-ever shape, which also
-        compiles kernels, counts as at most twice its size's time)."""
-        predicted = self.predict(tokens)
+    def observe_change(self, tokens: int, seconds: float, sequences: int = 1) -> None:
+        """A step whose shape differed from the step before's took `seconds`: its excess over the table is
+        what a change of shape costs (a running mean; a first-ever shape, which also compiles kernels,
+        counts as at most twice its entry's time)."""
+        predicted = self.predict(tokens, sequences)
         if predicted is None or not 1 <= tokens <= self.max_tokens:
             return
         excess = min(max(seconds - predicted, 0.0), 2 * predicted)
@@ -195,37 +204,54 @@ class StepTimes:
         else:
             self.change_seconds += self.ALPHA * (excess - self.change_seconds)
 
-    def change_cost(self, tokens: int) -> float:
-        """What a change of shape adds to a step of `tokens` tokens, in cost()'s units: measured, or before
-        that, a quarter of the step (the size of the effect on the CPUs measured here)."""
-        if self.change_seconds is None or self.predict(tokens) is None:
-            return self.cost(tokens) / 4
+    def change_cost(self, tokens: int, sequences: int = 1) -> float:
+        """What a change of shape adds to a step, in cost()'s units: measured, or before that, a quarter
+        of the step (the size of the effect on the CPUs measured here)."""
+        if self.change_seconds is None or self.predict(tokens, sequences) is None:
+            return self.cost(tokens, sequences) / 4
         return self.change_seconds
 
-    def predict(self, tokens: int) -> float | None:
-        """The seconds of a step of `tokens` tokens; None before any step was measured."""
-        if not self.sizes:
-            return None
-        if tokens in self.seconds:
-            return self.seconds[tokens]
-        i = bisect.bisect(self.sizes, tokens)
-        if 0 < i < len(self.sizes):
-            lo, hi = self.sizes[i - 1], self.sizes[i]
-            return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (tokens - lo) / (hi - lo)
-        nearest = self.sizes[0] if i == 0 else self.sizes[-1]
-        f = self.prior_overhead
-        return self.seconds[nearest] * (f + tokens) / (f + nearest)
+    def predict(self, tokens: int, sequences: int = 1) -> float | None:
+        """The seconds of a step of `tokens` tokens in `sequences` sequences; None before the first step."""
+        if (sequences, tokens) in self.seconds:
+            return self.seconds[(sequences, tokens)]
+        curve = self._one_sequence(tokens)
+        measured = self.sizes.get(sequences) if sequences != 1 else None
+        if not measured:
+            return curve
+        i = bisect.bisect(measured, tokens)
+        nearest = measured[i - 1] if i else measured[0]
+        base = self.seconds[(sequences, nearest)]
+        near_curve = self._one_sequence(nearest)
+        if curve is None or near_curve is None:  # no one-sequence step yet: the prior line's slope
+            return base * (self.prior_overhead + tokens) / (self.prior_overhead + nearest)
+        return max(base + curve - near_curve, base / 2)
 
-    def cost(self, tokens: int) -> float:
-        """A step's cost, in seconds once any step was measured, before that along the prior line: only
+    def _one_sequence(self, tokens: int) -> float | None:
+        sizes = self.sizes.get(1)
+        if not sizes:
+            return None
+        if (1, tokens) in self.seconds:
+            return self.seconds[(1, tokens)]
+        i = bisect.bisect(sizes, tokens)
+        if 0 < i < len(sizes):
+            lo, hi = sizes[i - 1], sizes[i]
+            t_lo, t_hi = self.seconds[(1, lo)], self.seconds[(1, hi)]
+            return t_lo + (t_hi - t_lo) * (tokens - lo) / (hi - lo)
+        nearest = sizes[0] if i == 0 else sizes[-1]
+        f = self.prior_overhead
+        return self.seconds[(1, nearest)] * (f + tokens) / (f + nearest)
+
+    def cost(self, tokens: int, sequences: int = 1) -> float:
+        """A step's cost, in seconds once a step was measured, before that along the prior line: only
         ratios of costs are compared."""
-        predicted = self.predict(tokens)
+        predicted = self.predict(tokens, sequences)
         return self.prior_overhead + tokens if predicted is None else predicted
 
     @property
     def overhead(self) -> float:
-        """F of the table (a gauge): a one-token step's fixed part in units of the extra time each token
-        up to 8 adds, within [1, 64]."""
+        """F of the one-sequence curve (a gauge): a one-token step's fixed part in units of the extra time
+        each token up to 8 adds, within [1, 64]."""
         slope = (self.cost(8) - self.cost(1)) / 7
         if slope <= 0:
             return 64.0

@@ -144,7 +144,7 @@ class EngineCore:
             self._measure_step_times()
             log.info(
                 "speculative decoding: steps take %s ms by tokens, a change of shape %.1f ms more",
-                ", ".join(f"{n}: {1000 * self.step_times.seconds[n]:.1f}" for n in self.step_times.sizes),
+                ", ".join(f"{n}: {1000 * self.step_times.seconds[(1, n)]:.1f}" for n in self.step_times.sizes[1]),
                 1000 * (self.step_times.change_seconds or 0.0),
             )
         if self.disk_tier is not None:
@@ -308,10 +308,11 @@ class EngineCore:
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         clock.lap("execute")
+        seconds, sequences = clock.seconds["execute"], len(plan.chunks)
         if self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
-            self.step_times.observe_change(plan.num_tokens, clock.seconds["execute"])
+            self.step_times.observe_change(plan.num_tokens, seconds, sequences)
         else:
-            self.step_times.observe(plan.num_tokens, clock.seconds["execute"])
+            self.step_times.observe(plan.num_tokens, seconds, sequences)
         by_id = {}
         if pending is not None:
             by_id = pending.result()
