@@ -30,7 +30,7 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-from service.core.speculative import PromptLookup, Proposer, StepCost, StepTimes
+from service.core.speculative import PromptLookup, Proposer, StepCost, StepTimes, choose_drafts
 from service.core.stop import stop_reason
 
 
@@ -231,7 +231,7 @@ class Scheduler:
         self._drop_expired(plan)
         budget = self.max_num_batched_tokens
         speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
-        cost = self._step_cost(budget) if speculate else None
+        num_drafts = self._plan_drafts(budget) if speculate else {}
         for request in list(self.running):
             if budget == 0:
                 break
@@ -240,8 +240,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, plan):
                 continue
-            speculates = cost is not None and num_new == 1 and self._speculates(request)
-            drafts = self._drafts(request, budget - num_new, cost) if cost and speculates else ()
+            k = num_drafts.get(request.id)
+            drafts = self._drafts(request, min(k, budget - num_new)) if k is not None and num_new == 1 else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running
             # request its block to grow into
             target = request.num_computed_tokens + num_new + len(drafts)
@@ -349,21 +349,28 @@ class Scheduler:
     def _speculates(self, request: Request) -> bool:
         return (request.params.speculation or self.speculation) == "auto"
 
-    def _drafts(self, request: Request, room: int, cost: StepCost) -> tuple[int, ...]:
-        """Draft tokens for a decoding request: as many as raise the step's tokens per second given what its
-        guesses earned lately, within its token limits and the step's room. The proposer's guess is also
-        watched (DraftStats), so guesses are judged while the request gets no drafts."""
-        p = request.params
+    def _plan_drafts(self, budget: int) -> dict[int, int]:
+        """Drafts per decoding request that speculates, by request id: the numbers that raise the step's
+        tokens per second given what their guesses earned lately, within their token limits."""
+        cost = self._step_cost(budget)
+        candidates: list[tuple[Request, int]] = []
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens != 1 or not self._speculates(request):
+                continue
+            limit = min(
+                self.speculative_tokens,
+                request.params.max_new_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            if limit > 0:
+                candidates.append((request, limit))
+        chosen = choose_drafts(cost, [(r.draft_stats, limit) for r, limit in candidates])
+        return {r.id: k for (r, _), k in zip(candidates, chosen, strict=True)}
+
+    def _drafts(self, request: Request, k: int) -> tuple[int, ...]:
+        """k draft tokens for a decoding request (fewer for a grammar-constrained one). The proposer's guess
+        is also watched (DraftStats), so guesses are judged while the request gets no drafts."""
         stats = request.draft_stats
-        limit = min(
-            self.speculative_tokens,
-            room,
-            p.max_new_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
-        if limit <= 0:
-            return ()
-        k = stats.num_drafts = cost.best(stats, limit)
         if not k and stats.watched is not None:
             return ()
         guess = tuple(self.proposer.propose(request.all_token_ids, self.speculative_tokens))
@@ -375,7 +382,6 @@ class Scheduler:
             # a short guess is padded to the chosen number: a step of the same shape as the last runs
             # faster than a smaller one of a new shape, and a padding token is kept when it happens to be right
             drafts += (drafts or (request.all_token_ids[-1],))[-1:] * (k - len(drafts))
-        cost.add(len(drafts), stats)
         return drafts
 
     def _drop_expired(self, plan: StepPlan) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 # A request's drafts are judged by what they would have earned: its proposer's guess of the next tokens is
@@ -125,19 +125,40 @@ class StepCost:
         return (self.produced + gained) / self.times.cost(self.tokens + num_drafts, self.sequences)
 
     def best(self, stats: DraftStats, limit: int) -> int:
-        """The number of drafts (at most limit) that gives the step the most tokens per second, unless the
-        request's last number is within what a change of the step's shape costs: the time a switch saves
-        over HORIZON steps, HORIZON * cost * (1 - kept rate / best rate), must exceed change_seconds."""
-        rates = [self.rate(stats, k) for k in range(limit + 1)]
-        best = max(range(limit + 1), key=rates.__getitem__)
-        kept = min(stats.num_drafts, limit)
-        step = self.tokens + kept
-        saved = HORIZON * self.times.cost(step, self.sequences) * (1 - rates[kept] / rates[best])
-        return best if saved > self.times.change_cost(step, self.sequences) else kept
+        """The number of drafts (at most limit) that gives the step the most tokens per second."""
+        return max(range(limit + 1), key=lambda k: self.rate(stats, k))
 
     def add(self, num_drafts: int, stats: DraftStats) -> None:
         self.tokens += num_drafts
         self.produced += stats.expected_tokens(num_drafts) - 1
+
+    @property
+    def seconds(self) -> float:
+        return self.times.cost(self.tokens, self.sequences)
+
+
+def choose_drafts(cost: StepCost, requests: Sequence[tuple[DraftStats, int]]) -> list[int]:
+    """The number of drafts for each of a step's decoding requests, given as (what its guesses earned, its
+    limit): each request's best number in turn (each added to the step before the next is judged), unless
+    the numbers they had in the last step are nearly as good. The step's shape is what a change costs, so
+    the whole step switches or none of it: when the time the best numbers save over HORIZON steps does not
+    pay for one change of shape, every request keeps its number (a request's own share of a many-request
+    step is too small to pay for a change alone, and left to decide alone, each would keep its number
+    forever). Sets each request's num_drafts."""
+    best_cost, kept_cost = replace(cost), replace(cost)
+    best, kept = [], []
+    for stats, limit in requests:
+        best.append(best_cost.best(stats, limit))
+        best_cost.add(best[-1], stats)
+        kept.append(min(stats.num_drafts, limit))
+        kept_cost.add(kept[-1], stats)
+    speed_kept = kept_cost.produced / kept_cost.seconds
+    speed_best = best_cost.produced / best_cost.seconds
+    saved = HORIZON * kept_cost.seconds * (1 - speed_kept / speed_best)
+    chosen = best if saved > cost.times.change_cost(kept_cost.tokens, cost.sequences) else kept
+    for (stats, _), k in zip(requests, chosen, strict=True):
+        stats.num_drafts = k
+    return chosen
 
 
 class StepTimes:
@@ -155,8 +176,10 @@ class StepTimes:
 
     The one-sequence curve is interpolated between its measured sizes, and beyond them follows the prior
     line F + T (F = `overhead`, a step's fixed part in units of one token's work), which is also the whole
-    model before any step is measured. A step of several sequences never seen is the nearest measured step
-    of as many sequences plus what the one-sequence curve adds for the difference in tokens. Steps above
+    model before any step is measured. A step of several sequences is the measured step of as many sequences
+    with the fewest tokens (their plain decoding step, measured most often) plus what the one-sequence curve
+    adds for the difference in tokens: live draft steps of many sequences are too few and too noisy to read
+    directly (a lucky fast one made big drafts look cheap). Steps above
     max_tokens are left out: drafts are decided in small steps, and a long prompt chunk runs another kernel
     path."""
 
@@ -213,19 +236,16 @@ class StepTimes:
 
     def predict(self, tokens: int, sequences: int = 1) -> float | None:
         """The seconds of a step of `tokens` tokens in `sequences` sequences; None before the first step."""
-        if (sequences, tokens) in self.seconds:
-            return self.seconds[(sequences, tokens)]
         curve = self._one_sequence(tokens)
         measured = self.sizes.get(sequences) if sequences != 1 else None
         if not measured:
             return curve
-        i = bisect.bisect(measured, tokens)
-        nearest = measured[i - 1] if i else measured[0]
-        base = self.seconds[(sequences, nearest)]
-        near_curve = self._one_sequence(nearest)
-        if curve is None or near_curve is None:  # no one-sequence step yet: the prior line's slope
-            return base * (self.prior_overhead + tokens) / (self.prior_overhead + nearest)
-        return max(base + curve - near_curve, base / 2)
+        anchor = measured[0]  # the fewest tokens: the plain decoding step, the most often measured
+        base = self.seconds[(sequences, anchor)]
+        anchor_curve = self._one_sequence(anchor)
+        if curve is None or anchor_curve is None:  # no one-sequence step yet: the prior line's slope
+            return base * (self.prior_overhead + tokens) / (self.prior_overhead + anchor)
+        return max(base + curve - anchor_curve, base / 2)
 
     def _one_sequence(self, tokens: int) -> float | None:
         sizes = self.sizes.get(1)
