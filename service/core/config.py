@@ -26,14 +26,13 @@ class EngineConfig:
     kv_cache_gb: float = setting(1.0, "KV cache budget in GiB")
     kv_cache_precision: str = setting("u8", "KV cache element type", ("u8", "f16", "f32"))
     inference_precision: str = setting(
-        "f32",
-        "precision of the model's activations; f32 by default, where the CPU plugin's own default is bf16 on "
-        "CPUs with AVX512_BF16 or AMX: with int8 weights on AVX512_BF16 it decoded 1.3-1.5x and verified "
-        "drafts 1.6-2.1x faster than bf16, while bf16 ran long prompt chunks 1.35-1.75x faster; f32 also makes "
-        "a many-token step compute what one-token steps do on an fp16 model; auto: f32, plus a bf16 copy of "
-        "the model for steps of more than 32 tokens (prompt chunks) where the plugin would choose bf16, at the "
-        "cost of a second copy of the weights in memory",
-        ("f32", "bf16", "f16", "auto"),
+        "auto",
+        "precision of the model's activations. auto: f32, plus a bf16 copy of the model for steps of more than "
+        "32 tokens (prompt chunks) on CPUs where the plugin's own default is bf16 (AVX512_BF16, AMX), at the "
+        "cost of a second copy of the weights in memory: there int8 models decoded 1.3-1.5x and verified drafts "
+        "1.6-2.1x faster in f32, while bf16 ran long prompt chunks 1.35-1.75x faster. f32 also makes a "
+        "many-token step compute what one-token steps do on an fp16 model",
+        ("auto", "f32", "bf16", "f16"),
     )
     dq_group_size: int | None = setting(
         None,
