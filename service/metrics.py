@@ -145,8 +145,8 @@ class EngineCollector:
             ("ovserve_tokens_per_step", "Tokens computed in the last engine step", s.tokens_per_step),
             (
                 "ovserve_spec_step_overhead_tokens",
-                "A step's fixed cost in units of one token's work, fitted to recent step times (the speculative "
-                "draft rule's F)",
+                "A one-token step's fixed cost in units of the time each token up to 8 adds, from the speculative "
+                "draft rule's table of step times",
                 s.step_overhead_tokens,
             ),
         ):
