@@ -80,17 +80,20 @@ class ModelRunner:
             properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = config.dq_group_size
         self.compiled = core.compile_model(model, "CPU", properties)
         self.request = self.compiled.create_infer_request()
-        # auto: a second copy in bf16 for large steps (prompt chunks), where the plugin would choose bf16
+        # auto: a second copy in bf16 for large steps (prompt chunks), where the plugin would choose bf16. The
+        # two share the KV cache, so its element type must be the same in both: it is for a u8 cache, while the
+        # plugin turns an f16 cache of a bf16 model into bf16 (so no copy is compiled for another cache).
         self.large_step_request: ov.InferRequest | None = None
-        plugin_default = str(core.get_property("CPU", "INFERENCE_PRECISION_HINT"))
-        self.precision = str(properties["INFERENCE_PRECISION_HINT"])
-        if config.inference_precision == "auto" and ("bf16" in plugin_default or "bfloat16" in plugin_default):
+        self.activation_precision = str(properties["INFERENCE_PRECISION_HINT"])
+        if (
+            config.inference_precision == "auto"
+            and config.kv_cache_precision == "u8"
+            and core.get_property("CPU", "INFERENCE_PRECISION_HINT") == ov.Type.bf16
+        ):
             large = core.compile_model(model, "CPU", properties | {"INFERENCE_PRECISION_HINT": "bf16"})
-            # the two share the KV cache, so its element type must be the same in both: it is for a u8 cache,
-            # while the plugin turns an f16 cache of a bf16 model into bf16
             if _cache_types(large) == _cache_types(self.compiled):
                 self.large_step_request = large.create_infer_request()
-                self.precision = f"f32 up to {LARGE_STEP_TOKENS} tokens a step, bf16 above"
+                self.activation_precision = f"f32, bf16 above {LARGE_STEP_TOKENS} tokens a step"
         # The shape of the last step's inputs: a step of another shape costs the plugin time to prepare its
         # kernels and buffers, so a step's time says what its tokens cost only when its shape is the last one's
         self._last_shape: tuple[int, ...] = ()
@@ -117,25 +120,27 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block
         self._allocate_cache()
         log.info(
-            "compiled %s: %d threads, %d KV blocks of %d tokens (%.2f GiB)",
+            "compiled %s: %d threads, activations %s, %d KV blocks of %d tokens (%.2f GiB)",
             ir,
             self.num_threads,
+            self.activation_precision,
             self.num_blocks,
             self.block_size,
             self.kv_cache_bytes / 2**30,
         )
 
     def _cache_inputs(self) -> list[ov.Output]:
-        return [i for i in self.compiled.inputs if i.get_any_name().startswith(KV_CACHE_PREFIXES)]
+        return _cache_ports(self.compiled)
 
     @property
     def cache_format(self) -> str:
-        """What a KV block holds, as text: the runtime's version and each cache input's block shape and type."""
+        """What a KV block holds, as text: the runtime's version, the activations' precision the blocks were
+        computed in (auto's depends on the CPU) and each cache input's block shape and type."""
         ports = ", ".join(
             f"{p.get_any_name()}:{p.get_element_type().get_type_name()}{list(p.get_partial_shape())[1:]}"
             for p in self._cache_inputs()
         )
-        return f"openvino {ov.get_version()}; {ports}"
+        return f"openvino {ov.get_version()}; activations {self.activation_precision}; {ports}"
 
     def _cache_layout(self) -> tuple[int, int]:
         block_size = 0
@@ -201,10 +206,12 @@ class ModelRunner:
         return logits[:num_rows, -1, :]
 
 
+def _cache_ports(compiled: ov.CompiledModel) -> list[ov.Output]:
+    return [i for i in compiled.inputs if i.get_any_name().startswith(KV_CACHE_PREFIXES)]
+
+
 def _cache_types(compiled: ov.CompiledModel) -> list[str]:
-    return [
-        i.get_element_type().get_type_name() for i in compiled.inputs if i.get_any_name().startswith(KV_CACHE_PREFIXES)
-    ]
+    return [port.get_element_type().get_type_name() for port in _cache_ports(compiled)]
 
 
 def _gather_before_lm_head(model: ov.Model) -> None:

@@ -192,7 +192,6 @@ class StepTimes:
         self.seconds: dict[tuple[int, int], float] = {}  # by (sequences, tokens) in the step
         self.counts: dict[tuple[int, int], int] = {}
         self.sizes: dict[int, list[int]] = {}  # by sequences: the measured token counts, ascending
-        self.num_observed = 0
         # what a step of another shape than the one before costs beyond its entry; None until measured
         self.change_seconds: float | None = None
 
@@ -212,7 +211,6 @@ class StepTimes:
             bisect.insort(self.sizes.setdefault(sequences, []), tokens)
         else:
             self.seconds[key] += max(1 / count, self.ALPHA) * (seconds - self.seconds[key])
-        self.num_observed += 1
 
     def observe_change(self, tokens: int, seconds: float, sequences: int = 1) -> None:
         """A step whose shape differed from the step before's took `seconds`: its excess over the table is

@@ -462,13 +462,12 @@ class EngineCore:
 
 def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:
     """Everything that changes what a KV block holds: the model's content, the cache's format (runtime,
-    precision, block shape) and the settings that change the numbers written (dynamic quantization, the
-    single-token copy). Thread counts are left out: they change only the order of sums."""
+    precision, block shape, the activations' precision) and the settings that change the numbers written
+    (dynamic quantization, the single-token copy). Thread counts are left out: they change only the order of sums."""
     parts = {
         "model": model.digest,
         "cache_format": cache_format,
         "kv_cache_precision": config.kv_cache_precision,
-        "inference_precision": config.inference_precision,
         "dq_group_size": config.dq_group_size,
         "fast_single_stream": config.fast_single_stream,
     }
