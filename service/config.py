@@ -74,6 +74,10 @@ def parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 default = convert(text)
             except ValueError:
                 p.error(f"{env_name(f.name)}={text!r} is not a valid {kind}")
+            # argparse checks choices only of values given as flags, never of a default
+            choices = f.metadata["choices"]
+            if choices is not None and default not in choices:
+                p.error(f"{env_name(f.name)}={text!r} is not one of {', '.join(choices)}")
         p.add_argument(flag, type=convert, default=default, choices=f.metadata["choices"], help=help_text)
     return p
 

@@ -470,3 +470,15 @@ def test_tokens_that_arrive_together_share_the_inter_token_gap():
     assert value("ovserve_inter_token_latency_seconds_count") == 5
     assert value("ovserve_inter_token_latency_seconds_sum") == 5.0
     assert value("ovserve_inter_token_latency_seconds_bucket", {"le": "1.0"}) == 5
+
+
+def test_inference_precision_flag():
+    assert parse_args(["--model", "m"], env={}).engine.inference_precision == "auto"
+    assert parse_args(["--model", "m", "--inference-precision", "f32"], env={}).engine.inference_precision == "f32"
+    env = {"OVSERVE_INFERENCE_PRECISION": "bf16"}
+    assert parse_args(["--model", "m"], env=env).engine.inference_precision == "bf16"
+    for bad in (["--inference-precision", "int8"], ["--inference-precision", ""]):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", *bad], env={})
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m"], env={"OVSERVE_INFERENCE_PRECISION": "fp64"})
