@@ -19,6 +19,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from convert.contract import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
 from service.core.config import EngineConfig
+from service.core.step_shape import MAX_PAD_SEQUENCES, MAX_PAD_TOKENS, StepShape
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +95,11 @@ class ModelRunner:
             if _cache_types(large) == _cache_types(self.compiled):
                 self.large_step_request = large.create_infer_request()
                 self.activation_precision = f"f32, bf16 above {LARGE_STEP_TOKENS} tokens a step"
-        # The shape of the last step's inputs: a step of another shape costs the plugin time to prepare its
-        # kernels and buffers, so a step's time says what its tokens cost only when its shape is the last one's
-        self._last_shape: tuple[int, ...] = ()
+        # The shape of each compiled copy's last step: a step of another shape costs the plugin time to prepare
+        # its kernels and buffers, so a step's time says what its tokens cost only when its copy's shape is
+        # unchanged (the block table's length changes as sequences grow, at no measurable cost: not part of it)
+        self.last_shapes: dict[int, StepShape] = {}
+        self.last_shape: StepShape | None = None  # of the last step, whichever copy ran it
         self.shape_changed = True
         # Dynamic quantization of activations makes the int8 matmuls fast from two tokens up, but a
         # one-token step (one stream decoding) ran faster without it on the Qwen3-4B shape here: 165-177 ms
@@ -112,6 +115,10 @@ class ModelRunner:
         self.block_size, bytes_per_block = self._cache_layout()
         budget = int(config.kv_cache_gb * 2**30)
         self.num_blocks = budget // bytes_per_block
+        # scratch blocks past the budget's for padding sequences (StepShape), which nobody reads
+        self.pad_blocks = list(
+            range(self.num_blocks, self.num_blocks + MAX_PAD_SEQUENCES - 1 + -(-MAX_PAD_TOKENS // self.block_size))
+        )
         if self.num_blocks < 1:
             raise ValueError(
                 f"kv cache budget of {budget} bytes holds no block "
@@ -154,19 +161,29 @@ class ModelRunner:
 
     def _allocate_cache(self) -> None:
         requests = [r for r in (self.request, self.single_token_request, self.large_step_request) if r is not None]
+        rows = self.num_blocks + len(self.pad_blocks)
         for port in self._cache_inputs():
-            dims = [self.num_blocks] + [d.get_length() for d in list(port.get_partial_shape())[1:]]
+            dims = [rows] + [d.get_length() for d in list(port.get_partial_shape())[1:]]
             tensor = ov.Tensor(port.get_element_type(), ov.Shape(dims))
             for request in requests:
                 request.set_tensor(port.get_any_name(), tensor)
 
     def cache_arrays(self) -> list[np.ndarray]:
-        """The KV cache tensors as arrays of [num_blocks, ...] sharing their memory, in a fixed order: a
+        """The KV cache tensors as arrays of [num_blocks (+ scratch), ...] sharing their memory, in a fixed order: a
         block's content is its row of each."""
         return [self.request.get_tensor(p.get_any_name()).data for p in self._cache_inputs()]
 
-    def execute(self, seqs: Sequence[StepInput]) -> np.ndarray:
-        """Run one step; returns the wanted logits rows of every sequence, in order, [sum of num_logits, vocab]."""
+    def execute(self, seqs: Sequence[StepInput], shape: StepShape | None = None) -> np.ndarray:
+        """Run one step; returns the wanted logits rows of every sequence, in order, [sum of num_logits, vocab].
+        With a shape, the step runs padded to it (ShapeKeeper chose it; it must be one the step pads to)."""
+        num_rows = sum(s.num_logits for s in seqs)
+        needed = StepShape.of([len(s.token_ids) for s in seqs], [s.num_logits for s in seqs])
+        if shape is not None and shape != needed:
+            if not needed.pads_to(shape):
+                raise ValueError(f"a step of shape {needed} cannot be padded to {shape}")
+            seqs = [*seqs, *self._padding(shape.sequences - needed.sequences, shape.tokens - needed.tokens)]
+        else:
+            shape = needed
         input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64)
         positions = np.concatenate([np.arange(s.past_len, s.past_len + len(s.token_ids)) for s in seqs])
         lengths = np.array([len(s.token_ids) for s in seqs], dtype=np.int32)
@@ -180,8 +197,8 @@ class ModelRunner:
             [row for i, s in enumerate(seqs) for row in range(begins[i + 1] - s.num_logits, begins[i + 1])],
             dtype=np.int64,
         )
-        if sampled.size == 0:  # a step of prompt chunks only: compute one row and drop it
-            sampled = np.array([0], dtype=np.int64)
+        if sampled.size < shape.rows:  # rows to pad (a step of prompt chunks only computes one and drops it)
+            sampled = np.concatenate([sampled, np.zeros(shape.rows - sampled.size, dtype=np.int64)])
         inputs = {
             "input_ids": input_ids,
             "position_ids": positions.astype(np.int64),
@@ -192,18 +209,24 @@ class ModelRunner:
             "block_indices": block_ids,
             SAMPLED_ROWS: sampled,
         }
-        # the block table's length changes as sequences grow, at no measurable cost: not part of the key
-        shape = (input_ids.size, len(seqs), sampled.size)
-        self.shape_changed, self._last_shape = shape != self._last_shape, shape
-        request = self.request
+        copy, request = 0, self.request
         if self.single_token_request is not None and input_ids.size == 1:
-            request = self.single_token_request
+            copy, request = 1, self.single_token_request
         elif self.large_step_request is not None and input_ids.size > LARGE_STEP_TOKENS:
-            request = self.large_step_request
+            copy, request = 2, self.large_step_request
+        self.shape_changed = self.last_shapes.get(copy) != shape
+        self.last_shapes[copy] = self.last_shape = shape
         request.infer(inputs, share_inputs=True)
         logits = request.get_output_tensor(0).data
-        num_rows = sum(s.num_logits for s in seqs)
         return logits[:num_rows, -1, :]
+
+    def _padding(self, num_sequences: int, num_tokens: int) -> list[StepInput]:
+        """Padding sequences of num_tokens tokens in all: one token each but the last, which takes the rest;
+        each on scratch blocks of its own, from position 0, so each attends only to its own tokens."""
+        last = num_tokens - (num_sequences - 1)
+        pads = [StepInput([0], 0, [block], 0) for block in self.pad_blocks[: num_sequences - 1]]
+        blocks = self.pad_blocks[num_sequences - 1 : num_sequences - 1 + -(-last // self.block_size)]
+        return [*pads, StepInput([0] * last, 0, blocks, 0)]
 
 
 def _cache_ports(compiled: ov.CompiledModel) -> list[ov.Output]:

@@ -94,6 +94,28 @@ def test_mixed_prefill_and_decode_match_reference(engine, reference):
     assert_no_blocks_held(engine)
 
 
+def test_requests_ending_one_by_one_pad_the_step_and_stay_exact(engine, reference):
+    """As requests end, the remaining ones' steps are padded to the last step's shape (ShapeKeeper): their
+    tokens are still exactly the reference's."""
+    ps = prompts(6, seed=3)
+    lengths = [3, 5, 7, 9, 11, 13]
+    padded_before = engine.core.shape_keeper.num_padded_steps
+
+    async def main():
+        return await asyncio.gather(
+            *(
+                collect(engine, p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(ps, lengths, strict=True)
+            )
+        )
+
+    results = run(main())
+    for p, n, (tokens, _, _) in zip(ps, lengths, results, strict=True):
+        assert tokens == reference.greedy(p, n)
+    assert engine.core.shape_keeper.num_padded_steps > padded_before
+    assert_no_blocks_held(engine)
+
+
 def test_preemption_keeps_outputs_exact(engine, tiny_qwen3_fp16_ir, reference):
     block_bytes = engine.info.kv_cache_bytes / engine.info.num_kv_blocks
     # 8 blocks of 32 tokens: four 100-token sequences cannot all fit at once.
@@ -196,11 +218,11 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
     real_execute = engine.core.runner.execute
     calls = {"n": 0}
 
-    def fail_once(seqs):
+    def fail_once(seqs, shape=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return real_execute(seqs)
+        return real_execute(seqs, shape)
 
     monkeypatch.setattr(engine.core.runner, "execute", fail_once)
     from service.errors import EngineFailure

@@ -43,10 +43,10 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
     elif stage == "execute":
         real_execute = core.runner.execute
 
-        def execute(seqs):
+        def execute(seqs, shape=None):
             if any(list(s.token_ids[:1]) == [POISON] and s.past_len == 0 for s in seqs):
                 raise RuntimeError("injected runner failure")
-            return real_execute(seqs)
+            return real_execute(seqs, shape)
 
         monkeypatch.setattr(core.runner, "execute", execute)
     elif stage == "sample":

@@ -106,35 +106,42 @@ class DraftStats:
 
 @dataclass
 class StepCost:
-    """One step's tokens and expected output, for deciding how many drafts pay in it.
+    """One step's time and expected output, for deciding how many drafts pay in it.
 
-    The step yields `produced` tokens (one per sampled request plus the drafts expected to be kept) in
-    times.cost(tokens, sequences). k more drafts for a request whose step is expected to yield E(k) tokens take the
-    rate from produced / cost(T) to (produced + E(k) - 1) / cost(T + k). Drafts are nearly free in a small
-    step, which is bound by reading the weights, and must be likely to be kept in a large one, which is bound
-    by compute; the measured table (StepTimes) says where a step is between the two."""
+    Before drafts the step has `tokens` tokens in `sequences` sequences and yields `produced` tokens (one per
+    sampled request), in times.cost(tokens, sequences). Each request's drafts add what they add to a
+    one-sequence step, times.draft_cost(k), and E(k) - 1 expected tokens: drafts cost per sequence, not per
+    step (SmolLM2 int8, f32, 8 one-token sequences: 20.1 ms; one with 1 draft 21.3, all eight with 1 draft
+    31.9 ms, where one sequence of 16 tokens costs only 4 ms more than one of 8). Drafts are nearly free in a
+    small step, which is bound by reading the weights, and must be likely to be kept in a large one, which
+    is bound by compute; the measured table (StepTimes) says where a step is between the two."""
 
     times: StepTimes
-    tokens: int  # T so far
+    tokens: int  # before drafts
     produced: float
-    sequences: int = 1  # the step's sequences (drafts add tokens to a sequence, not sequences)
+    sequences: int = 1
+    num_drafts: int = 0
+    draft_seconds: float = 0.0  # what the drafts added so far add to the step
 
     def rate(self, stats: DraftStats, num_drafts: int) -> float:
         """Expected tokens per unit of time of the step if the request gets num_drafts drafts."""
         gained = stats.expected_tokens(num_drafts) - 1
-        return (self.produced + gained) / self.times.cost(self.tokens + num_drafts, self.sequences)
+        return (self.produced + gained) / (
+            self.seconds + self.times.draft_cost(num_drafts, self.tokens, self.sequences)
+        )
 
     def best(self, stats: DraftStats, limit: int) -> int:
         """The number of drafts (at most limit) that gives the step the most tokens per second."""
         return max(range(limit + 1), key=lambda k: self.rate(stats, k))
 
     def add(self, num_drafts: int, stats: DraftStats) -> None:
-        self.tokens += num_drafts
+        self.num_drafts += num_drafts
+        self.draft_seconds += self.times.draft_cost(num_drafts, self.tokens, self.sequences)
         self.produced += stats.expected_tokens(num_drafts) - 1
 
     @property
     def seconds(self) -> float:
-        return self.times.cost(self.tokens, self.sequences)
+        return self.times.cost(self.tokens, self.sequences) + self.draft_seconds
 
 
 def choose_drafts(cost: StepCost, requests: Sequence[tuple[DraftStats, int]]) -> list[int]:
@@ -155,7 +162,7 @@ def choose_drafts(cost: StepCost, requests: Sequence[tuple[DraftStats, int]]) ->
     speed_kept = kept_cost.produced / kept_cost.seconds
     speed_best = best_cost.produced / best_cost.seconds
     saved = HORIZON * kept_cost.seconds * (1 - speed_kept / speed_best)
-    chosen = best if saved > cost.times.change_cost(kept_cost.tokens, cost.sequences) else kept
+    chosen = best if saved > cost.times.change_cost(kept_cost.tokens + kept_cost.num_drafts, cost.sequences) else kept
     for (stats, _), k in zip(requests, chosen, strict=True):
         stats.num_drafts = k
     return chosen
@@ -178,8 +185,9 @@ class StepTimes:
     line F + T (F = `overhead`, a step's fixed part in units of one token's work), which is also the whole
     model before any step is measured. A step of several sequences is the measured step of as many sequences
     with the fewest tokens (their plain decoding step, measured most often) plus what the one-sequence curve
-    adds for the difference in tokens: live draft steps of many sequences are too few and too noisy to read
-    directly (a lucky fast one made big drafts look cheap). Steps above
+    adds for the difference in tokens (a prompt chunk beside decoding sequences); live draft steps of many
+    sequences are too few and too noisy to read directly (a lucky fast one made big drafts look cheap), and
+    drafts cost by the sequence (draft_cost, StepCost). Steps above
     max_tokens are left out: drafts are decided in small steps, and a long prompt chunk runs another kernel
     path."""
 
@@ -232,6 +240,17 @@ class StepTimes:
             return self.cost(tokens, sequences) / 4
         return self.change_seconds
 
+    def padding_cost(
+        self, tokens: int, sequences: int, padded_tokens: int, padded_sequences: int
+    ) -> tuple[float, float]:
+        """What a step of `tokens` tokens in `sequences` sequences costs more when padded to the larger shape,
+        and what a change of shape costs, in the same units (seconds, or before steps of both shapes can be
+        predicted, the prior line's)."""
+        small, large = self.predict(tokens, sequences), self.predict(padded_tokens, padded_sequences)
+        if small is None or large is None:
+            return padded_tokens - tokens, (self.prior_overhead + tokens) / 4
+        return max(large - small, 0.0), self.change_cost(tokens, sequences)
+
     def predict(self, tokens: int, sequences: int = 1) -> float | None:
         """The seconds of a step of `tokens` tokens in `sequences` sequences; None before the first step."""
         curve = self._one_sequence(tokens)
@@ -259,6 +278,16 @@ class StepTimes:
         nearest = sizes[0] if i == 0 else sizes[-1]
         f = self.prior_overhead
         return self.seconds[(1, nearest)] * (f + tokens) / (f + nearest)
+
+    def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1) -> float:
+        """What num_drafts drafts for one decoding sequence add to a step of `tokens` tokens in `sequences`
+        sequences: the one-sequence curve's difference, or before it is measured, the prior line's slope in
+        the step's own units."""
+        if not num_drafts:
+            return 0.0
+        if self._one_sequence(1) is None:
+            return self.cost(tokens + num_drafts, sequences) - self.cost(tokens, sequences)
+        return self.cost(1 + num_drafts) - self.cost(1)
 
     def cost(self, tokens: int, sequences: int = 1) -> float:
         """A step's cost, in seconds once a step was measured, before that along the prior line: only

@@ -31,6 +31,7 @@ from service.core.sampler import sample, verify
 from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
 from service.core.speculative import StepTimes
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
+from service.core.step_shape import ShapeKeeper, StepShape
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
@@ -97,6 +98,7 @@ class EngineCore:
             self.disk_tier = KVDiskTier(store, self.runner.cache_arrays(), self._commands.put)
         # a step's cost against its tokens, for the draft rule: measured at warm-up, refitted after every step
         self.step_times = StepTimes()
+        self.shape_keeper = ShapeKeeper(self.step_times)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.disk_tier, step_times=self.step_times)
         self.info = ModelInfo(
             model_id=model.model_id,
@@ -306,13 +308,16 @@ class EngineCore:
         # the result and is their only user otherwise.
         constrained = [c for c in sampled if c.request.matcher is not None]
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
-        logits = self.runner.execute([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
+        inputs = [StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks]
+        needed = StepShape.of([len(c.token_ids) for c in plan.chunks], [c.num_logits for c in plan.chunks])
+        shape = self.shape_keeper.choose(needed, self.runner.last_shape)
+        logits = self.runner.execute(inputs, shape)
         clock.lap("execute")
-        seconds, sequences = clock.seconds["execute"], len(plan.chunks)
+        seconds = clock.seconds["execute"]
         if self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
-            self.step_times.observe_change(plan.num_tokens, seconds, sequences)
+            self.step_times.observe_change(shape.tokens, seconds, shape.sequences)
         else:
-            self.step_times.observe(plan.num_tokens, seconds, sequences)
+            self.step_times.observe(shape.tokens, seconds, shape.sequences)
         by_id = {}
         if pending is not None:
             by_id = pending.result()
