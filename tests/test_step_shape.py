@@ -87,3 +87,17 @@ def test_a_padded_step_gives_the_same_logits_and_keeps_the_shape(runner):
     assert any(not np.array_equal(a, b) for a, b in zip(kv_before, kv_unpadded, strict=True))
     with pytest.raises(ValueError, match="cannot be padded"):
         runner.execute(three, StepShape(9, 3, 2))
+
+
+def test_a_step_with_drafts_that_grows_gets_room_for_the_next_ones():
+    """Drafts move from step to step: a step that carries drafts and must grow takes the most tokens that
+    steps of as many sequences needed lately, plus a padding sequence to hold fewer."""
+    keeper = ShapeKeeper(measured_times())
+    plain = StepShape(4, 4, 4)
+    assert keeper.choose(plain, StepShape(3, 3, 3)) == plain  # no drafts: no room
+    assert keeper.choose(StepShape(9, 4, 9), plain) == StepShape(10, 5, 9)  # drafts: one padding sequence
+    assert keeper.choose(StepShape(6, 4, 6), StepShape(10, 5, 9)) == StepShape(10, 5, 9)  # fewer: padded
+    assert keeper.choose(StepShape(12, 4, 12), StepShape(10, 5, 9)) == StepShape(13, 5, 12)
+    assert keeper.choose(StepShape(7, 4, 7), StepShape(13, 5, 12)) == StepShape(13, 5, 12)
+    assert keeper.choose(StepShape(11, 4, 11), StepShape(13, 5, 12)) == StepShape(13, 5, 12)
+    assert keeper.choose(StepShape(14, 4, 14), StepShape(13, 5, 12)) == StepShape(15, 5, 14)

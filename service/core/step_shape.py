@@ -12,6 +12,7 @@ cost (the rent-or-buy rule: never more than twice the better of the two choices 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,19 +52,28 @@ class StepShape:
 
 
 class ShapeKeeper:
-    """Decides each step's shape: the step's own, or the last step's with padding while that pays."""
+    """Decides each step's shape: the step's own, or the last step's with padding while that pays.
+
+    When a step must change shape because it grew and it carries drafts, whose number moves from step to
+    step, the new shape gets room: the most tokens a step of as many sequences needed lately, and one
+    padding sequence, so that the next steps with fewer drafts (tokens can only be padded with a sequence
+    to hold them) or a request ending keep the shape."""
+
+    RECENT = 8  # steps whose shapes the room is taken from
 
     def __init__(self, times: StepTimes) -> None:
         self.times = times
         self.spent = 0.0  # what padding has cost since the shape last changed (padding_cost's units)
         self.num_padded_steps = 0
+        self.recent: deque[StepShape] = deque(maxlen=self.RECENT)
 
     def choose(self, needed: StepShape, last: StepShape | None) -> StepShape:
+        self.recent.append(needed)
         if needed == last:
             return needed
         if last is None or last.tokens > self.times.max_tokens or not needed.pads_to(last):
             self.spent = 0.0
-            return needed
+            return self._with_room(needed) if last is not None and needed.tokens > last.tokens else needed
         extra, change = self.times.padding_cost(needed.tokens, needed.sequences, last.tokens, last.sequences)
         if self.spent + extra >= change:
             self.spent = 0.0
@@ -71,3 +81,15 @@ class ShapeKeeper:
         self.spent += extra
         self.num_padded_steps += 1
         return last
+
+    def _with_room(self, needed: StepShape) -> StepShape:
+        if needed.tokens == needed.sequences or needed.tokens >= self.times.max_tokens:
+            return needed  # no drafts (plain decoding keeps its shape until a request comes or goes), or a prompt
+        alike = [s for s in self.recent if s.sequences == needed.sequences]
+        roomy = StepShape(
+            max(s.tokens for s in alike) + 1, needed.sequences + 1, max(max(s.rows for s in alike), needed.rows)
+        )
+        if roomy.tokens > self.times.max_tokens or not needed.pads_to(roomy):
+            return needed
+        self.num_padded_steps += 1
+        return roomy
