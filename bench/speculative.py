@@ -13,8 +13,11 @@ max_ngram_size=3), ours at its defaults (at most 10 drafts, its cost rule choosi
 that) with the same n-gram. Two workloads: `edit` (bench/prompts-edit.jsonl: English
 and Chinese texts of 150-400 tokens to rewrite, correct, translate keeping the quotations, or repeat and
 continue; the work prompt lookup is for) and `writing` (bench/prompts.jsonl: open-ended writing, emails,
-summaries; little is copied). At N streams each round submits N prompts at once (the set cycled, shifted each
-round). Rates are generated tokens over wall time; ratios are medians of per-round ratios. Also reported: how
+summaries; little is copied). At N streams, with `--arrivals closed` (the default) N clients each send their
+next prompt as soon as their last reply ends, through --requests-per-stream prompts each per round, as users
+of a service do; with `--arrivals batch` each round submits N prompts at once and waits for all (a batch job:
+the slowest reply sets the time, so tokens gained by the others count little). The set is cycled, shifted each
+round. Rates are generated tokens over wall time; ratios are medians of per-round ratios. Also reported: how
 often a speculative greedy reply equals the same engine's plain reply (int8 weights: a many-token verify
 step can round a near tie differently), ours and genai's.
 """
@@ -36,7 +39,9 @@ from service.core.config import EngineConfig
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {"edit": HERE / "prompts-edit.jsonl", "writing": HERE / "prompts.jsonl"}
-Generate = Callable[[list[list[int]], int], list[list[int]]]  # prompts, max new tokens -> replies
+# prompts, streams, max new tokens -> replies in the prompts' order: each of `streams` clients sends its next
+# prompt when its last reply ends (streams = len(prompts): all at once)
+Serve = Callable[[list[list[int]], int, int], list[list[int]]]
 
 
 def ours(model: str, k: int, ngram: int, precision: str | None = None) -> Any:
@@ -54,19 +59,21 @@ def ours(model: str, k: int, ngram: int, precision: str | None = None) -> Any:
     )
 
 
-def ours_generate(engine: Any) -> Generate:
+def ours_serve(engine: Any) -> Serve:
     from service.core.params import SamplingParams
 
-    async def one(ids: list[int], max_new: int) -> list[int]:
+    async def one(ids: list[int], max_new: int, clients: asyncio.Semaphore) -> list[int]:
         tokens: list[int] = []
-        async for out in engine.generate(ids, SamplingParams(max_new_tokens=max_new)):
-            tokens += out.token_ids
+        async with clients:
+            async for out in engine.generate(ids, SamplingParams(max_new_tokens=max_new)):
+                tokens += out.token_ids
         return tokens
 
-    async def batch(prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        return list(await asyncio.gather(*(one(p, max_new) for p in prompts)))
+    async def serve(prompts: list[list[int]], streams: int, max_new: int) -> list[list[int]]:
+        clients = asyncio.Semaphore(streams)
+        return list(await asyncio.gather(*(one(p, max_new, clients) for p in prompts)))
 
-    return lambda prompts, max_new: asyncio.run(batch(prompts, max_new))
+    return lambda prompts, streams, max_new: asyncio.run(serve(prompts, streams, max_new))
 
 
 def _config(model: str, max_new: int, k: int, ngram: int, lookup: bool) -> Any:
@@ -92,22 +99,22 @@ def _tensor(ids: list[int]) -> Any:
     return ov.Tensor(np.asarray([ids], dtype=np.int64))
 
 
-def llm_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Generate:
+def llm_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Serve:
     import numpy as np
     import openvino_genai as og
 
     threads = workers.peer_threads(workers.BUDGET)
     pipe = og.LLMPipeline(model, "CPU", prompt_lookup=lookup, INFERENCE_NUM_THREADS=threads)
 
-    def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        assert len(prompts) == 1, "LLMPipeline serves one stream"
-        result = pipe.generate(_tensor(prompts[0]), _config(model, max_new, k, ngram, lookup))
-        return [np.asarray(result.tokens[0]).tolist()]
+    def serve(prompts: list[list[int]], streams: int, max_new: int) -> list[list[int]]:
+        assert streams == 1, "LLMPipeline serves one stream"
+        config = _config(model, max_new, k, ngram, lookup)
+        return [np.asarray(pipe.generate(_tensor(p), config).tokens[0]).tolist() for p in prompts]
 
-    return generate
+    return serve
 
 
-def cb_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Generate:
+def cb_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Serve:
     import openvino_genai as og
 
     b = workers.BUDGET
@@ -121,12 +128,31 @@ def cb_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Generate:
         properties["prompt_lookup"] = True
     pipe = og.ContinuousBatchingPipeline(model, sc, "CPU", properties)
 
-    def generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        config = _config(model, max_new, k, ngram, lookup)
-        out = pipe.generate([_tensor(p) for p in prompts], [config] * len(prompts))
-        return [list(r.m_generation_ids[0]) for r in out]
+    request_ids = iter(range(1 << 62))
 
-    return generate
+    def serve(prompts: list[list[int]], streams: int, max_new: int) -> list[list[int]]:
+        """The pipeline's own step loop, as its generate() runs it, adding a prompt whenever one ends."""
+        config = _config(model, max_new, k, ngram, lookup)
+        replies: list[list[int]] = [[] for _ in prompts]
+        running: dict[int, Any] = {}
+        waiting = iter(range(len(prompts)))
+        while True:
+            for i in waiting if len(running) < streams else ():
+                running[i] = pipe.add_request(next(request_ids), _tensor(prompts[i]), config)
+                if len(running) == streams:
+                    break
+            if not running:
+                return replies
+            pipe.step()
+            for i, handle in list(running.items()):
+                status = handle.get_status()
+                if status == og.GenerationStatus.FINISHED:
+                    replies[i] = list(handle.read_all()[0].generated_ids)
+                    del running[i]
+                elif status != og.GenerationStatus.RUNNING:
+                    raise RuntimeError(f"genai request ended with {status}")
+
+    return serve
 
 
 def cost_curve(model: str, batches: tuple[int, ...], max_drafts: int, repeats: int) -> dict[str, Any]:
@@ -165,16 +191,18 @@ def median_ratio(a: list[float], b: list[float]) -> float:
 
 
 def run_streams(
-    engines: dict[str, Generate], prompts: list[list[int]], streams: int, rounds: int, max_new: int
+    engines: dict[str, Serve], prompts: list[list[int]], streams: int, rounds: int, max_new: int, per_stream: int = 1
 ) -> dict[str, Any]:
-    """rounds rounds of `streams` prompts at once, every engine in turn on the same prompts."""
+    """rounds rounds of streams * per_stream prompts served by `streams` clients, every engine in turn on the
+    same prompts."""
     rates: dict[str, list[float]] = {name: [] for name in engines}
     replies: dict[str, list[list[int]]] = {name: [] for name in engines}
+    size = streams * per_stream
     for r in range(rounds):
-        batch = [prompts[(r * streams + i) % len(prompts)] for i in range(streams)]
-        for name, generate in engines.items():
+        batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
+        for name, serve in engines.items():
             t0 = time.perf_counter()
-            out = generate(batch, max_new)
+            out = serve(batch, streams, max_new)
             rates[name].append(sum(len(x) for x in out) / (time.perf_counter() - t0))
             replies[name] += out
         print(f"  {streams} streams, round {r}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), flush=True)
@@ -206,6 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="edit,writing", help="comma-separated: edit, writing")
     p.add_argument("--streams", default="1", help="comma-separated stream counts, e.g. 1,4,8")
     p.add_argument("--rounds", type=int, default=0, help="rounds per stream count (default: the prompts once)")
+    p.add_argument(
+        "--arrivals",
+        choices=("closed", "batch"),
+        default="closed",
+        help="closed: each stream sends its next prompt when its reply ends; batch: a round's prompts at once",
+    )
+    p.add_argument(
+        "--requests-per-stream", type=int, default=3, help="prompts each stream sends per round (closed arrivals)"
+    )
     p.add_argument("--writing-prompts", type=int, default=8, help="prompts of the writing set used")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--k", type=int, default=5, help="draft tokens per step (genai: num_assistant_tokens)")
@@ -237,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     streams = [int(s) for s in a.streams.split(",")]
     our_k = EngineConfig().speculative_tokens if a.our_k is None else a.our_k
+    per_stream = a.requests_per_stream if a.arrivals == "closed" else 1
     ours_plain = ours(a.model, 0, a.ngram, a.our_precision)
     ours_lookup = ours(a.model, our_k, a.ngram, a.our_precision)
-    engines: dict[str, Generate] = {"ovserve": ours_generate(ours_plain), "ovserve+lookup": ours_generate(ours_lookup)}
-    single: dict[str, Generate] = {}
+    engines: dict[str, Serve] = {"ovserve": ours_serve(ours_plain), "ovserve+lookup": ours_serve(ours_lookup)}
+    single: dict[str, Serve] = {}
     if not a.ours_only:
         engines["genai-cb"] = cb_pipeline(a.model, False, a.k, a.ngram)
         engines["genai-cb+lookup"] = cb_pipeline(a.model, True, a.k, a.ngram)
@@ -254,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         "our_precision": ours_plain.config.inference_precision,
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,
+        "arrivals": a.arrivals,
+        "requests_per_stream": per_stream,
         "load_before": os.getloadavg(),
         "ovserve_step_overhead_tokens": round(ours_lookup.core.step_times.overhead, 2),  # at warm-up
         "workloads": {},
@@ -267,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             for n in streams:
                 print(f"{workload}, {n} streams (load {os.getloadavg()[0]:.1f})", flush=True)
                 stats0 = ours_lookup.stats()
-                rounds = a.rounds or max(1, len(ids) // n)
-                measured = run_streams(engines | (single if n == 1 else {}), ids, n, rounds, a.max_new_tokens)
+                rounds = a.rounds or max(1, len(ids) // (n * per_stream))
+                measured = run_streams(
+                    engines | (single if n == 1 else {}), ids, n, rounds, a.max_new_tokens, per_stream
+                )
                 stats = ours_lookup.stats()
                 drafts = stats.num_draft_tokens - stats0.num_draft_tokens
                 accepted = stats.num_accepted_tokens - stats0.num_accepted_tokens

@@ -568,6 +568,8 @@ def test_metrics_endpoint(tiny_qwen3_ir):
             "ovserve_prompt_tokens_total",
             "ovserve_spec_verify_steps_total 0.0",
             "ovserve_grammar_mask_wait_seconds_total 0.0",
+            "ovserve_step_shape_changes_total",
+            "ovserve_padded_steps_total",
         ):
             assert needle in text, needle
         counters = dict(

@@ -99,6 +99,7 @@ class EngineCore:
         # a step's cost against its tokens, for the draft rule: measured at warm-up, refitted after every step
         self.step_times = StepTimes()
         self.shape_keeper = ShapeKeeper(self.step_times)
+        self.num_shape_changes = 0
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.disk_tier, step_times=self.step_times)
         self.info = ModelInfo(
             model_id=model.model_id,
@@ -315,6 +316,7 @@ class EngineCore:
         clock.lap("execute")
         seconds = clock.seconds["execute"]
         if self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
+            self.num_shape_changes += 1
             self.step_times.observe_change(shape.tokens, seconds, shape.sequences)
         else:
             self.step_times.observe(shape.tokens, seconds, shape.sequences)
@@ -427,6 +429,8 @@ class EngineCore:
             num_accepted_tokens=self.scheduler.num_accepted_tokens,
             num_verify_steps=self.scheduler.num_verify_steps,
             num_steps=s.num_steps + (plan is not None),
+            num_shape_changes=self.num_shape_changes,
+            num_padded_steps=self.shape_keeper.num_padded_steps,
             num_failed_steps=self.num_failed_steps,
             last_step_seconds=clock.total if clock else s.last_step_seconds,
             tokens_per_step=float(plan.num_tokens) if plan else s.tokens_per_step,
