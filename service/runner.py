@@ -24,9 +24,13 @@ from service.core.step_shape import MAX_PAD_SEQUENCES, MAX_PAD_TOKENS, StepShape
 log = logging.getLogger(__name__)
 
 SAMPLED_ROWS = "sampled_rows"
-# With --inference-precision auto on a CPU whose plugin defaults to bf16, steps of more tokens than this run on
-# a bf16 copy of the model: bf16 ran a 256-token prompt chunk 1.75x faster than f32, while steps of up to 32
-# tokens (decoding, verifying drafts) ran 1.05-1.6x faster in f32.
+# With --inference-precision auto on a CPU whose plugin defaults to bf16, steps with more tokens than this
+# outside sequences verifying drafts (prompt chunks, many decoding sequences) run on a bf16 copy of the model:
+# bf16 ran a 256-token prompt chunk 1.75x faster than f32, while steps of up to 32 tokens ran 1.05-1.6x faster
+# in f32. Drafts are always verified in f32, as one-token steps compute them and as the draft rule's table of
+# step times measures (a step of 8 sequences with 5 drafts each: 56 ms in f32, 50 ms in bf16); 8 streams of
+# edits ran at 1.24x plain decoding with this against 1.21x with such steps in bf16 (noise), and their greedy
+# replies equalled plain decoding's as often (23 of 48, 33 of 72).
 LARGE_STEP_TOKENS = 32
 
 
@@ -98,7 +102,7 @@ class ModelRunner:
         # The shape of each compiled copy's last step: a step of another shape costs the plugin time to prepare
         # its kernels and buffers, so a step's time says what its tokens cost only when its copy's shape is
         # unchanged (the block table's length changes as sequences grow, at no measurable cost: not part of it)
-        self.last_shapes: dict[int, StepShape] = {}
+        self.last_shapes: dict[str, StepShape] = {}  # by copy: "main", "single_token", "large_step"
         self.last_shape: StepShape | None = None  # of the last step, whichever copy ran it
         self.shape_changed = True
         # Dynamic quantization of activations makes the int8 matmuls fast from two tokens up, but a
@@ -209,11 +213,14 @@ class ModelRunner:
             "block_indices": block_ids,
             SAMPLED_ROWS: sampled,
         }
-        copy, request = 0, self.request
+        copy, request = "main", self.request
         if self.single_token_request is not None and input_ids.size == 1:
-            copy, request = 1, self.single_token_request
-        elif self.large_step_request is not None and input_ids.size > LARGE_STEP_TOKENS:
-            copy, request = 2, self.large_step_request
+            copy, request = "single_token", self.single_token_request
+        elif (
+            self.large_step_request is not None
+            and sum(len(s.token_ids) for s in seqs if s.num_logits <= 1) > LARGE_STEP_TOKENS
+        ):
+            copy, request = "large_step", self.large_step_request
         self.shape_changed = self.last_shapes.get(copy) != shape
         self.last_shapes[copy] = self.last_shape = shape
         request.infer(inputs, share_inputs=True)

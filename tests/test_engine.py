@@ -10,7 +10,7 @@ from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig
 from service.errors import InvalidArgument
-from service.runner import ModelRunner
+from service.runner import ModelRunner, StepInput
 from tests.reference import StatefulReference
 
 NEW = 12
@@ -259,6 +259,13 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
         assert_no_blocks_held(engine)
     finally:
         engine.shutdown()
+    runner = ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
+    if runner.large_step_request is not None:  # drafts are verified in f32 however many; prompts go to bf16
+        verify = [StepInput([1] * 6, 8, [i], 6) for i in range(8)]
+        runner.execute(verify)
+        assert runner.last_shapes.keys() == {"main"}
+        runner.execute([StepInput([1] * 40, 0, [8, 9], 1)])
+        assert runner.last_shapes.keys() == {"main", "large_step"}
     f16_cache = EngineConfig(kv_cache_gb=0.02, kv_cache_precision="f16", inference_precision="auto")
     assert ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", f16_cache).large_step_request is None  # bf16's
 
