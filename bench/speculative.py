@@ -44,14 +44,14 @@ WORKLOADS = {"edit": HERE / "prompts-edit.jsonl", "writing": HERE / "prompts.jso
 Serve = Callable[[list[list[int]], int, int], list[list[int]]]
 
 
-def ours(model: str, k: int, ngram: int, precision: str | None = None) -> Any:
-    # speculative_max_seqs at its largest: the cost rule alone decides how many drafts pay at each load
-    settings = {
+def ours(model: str, k: int, ngram: int, precision: str | None = None, max_seqs: int | None = None) -> Any:
+    settings: dict[str, Any] = {
         "speculation": "auto" if k else "off",
         "speculative_tokens": k,
         "prompt_lookup_max_ngram": ngram,
-        "speculative_max_seqs": 32,
     }
+    if max_seqs is not None:
+        settings["speculative_max_seqs"] = max_seqs
     if precision is not None:
         settings["inference_precision"] = precision
     return workers.our_engine(
@@ -256,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("f32", "bf16", "f16", "auto"),
         help="ovserve's --inference-precision (default: its own default); genai's is always the plugin's",
     )
+    p.add_argument(
+        "--our-max-seqs",
+        type=int,
+        help="ovserve's --speculative-max-seqs (default: its own default; 32 leaves it to the cost rule alone)",
+    )
     p.add_argument("--ngram", type=int, default=3, help="longest n-gram matched (genai: max_ngram_size)")
     p.add_argument("--no-llm-pipeline", action="store_true", help="leave genai's LLMPipeline out")
     p.add_argument("--ours-only", action="store_true", help="ovserve without and with speculation only")
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     our_k = EngineConfig().speculative_tokens if a.our_k is None else a.our_k
     per_stream = a.requests_per_stream if a.arrivals == "closed" else 1
     ours_plain = ours(a.model, 0, a.ngram, a.our_precision)
-    ours_lookup = ours(a.model, our_k, a.ngram, a.our_precision)
+    ours_lookup = ours(a.model, our_k, a.ngram, a.our_precision, a.our_max_seqs)
     engines: dict[str, Serve] = {"ovserve": ours_serve(ours_plain), "ovserve+lookup": ours_serve(ours_lookup)}
     single: dict[str, Serve] = {}
     if not a.ours_only:
@@ -290,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "k": a.k,
         "our_k": our_k,
         "our_precision": ours_plain.config.inference_precision,
+        "our_max_seqs": ours_lookup.config.speculative_max_seqs,
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,
         "arrivals": a.arrivals,

@@ -80,7 +80,7 @@ class EngineConfig:
     prompt_lookup_max_ngram: int = setting(3, "longest suffix of a request's tokens that prompt lookup matches")
     prompt_lookup_min_ngram: int = setting(1, "shortest suffix of a request's tokens that prompt lookup matches")
     speculative_max_seqs: int = setting(
-        4, "speculate only while at most this many requests run: a larger batch already reads each weight for many"
+        8, "speculate only while at most this many requests run: a larger batch already reads each weight for many"
     )
     kernel_cache_shapes: int = setting(
         64,
