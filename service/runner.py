@@ -103,7 +103,6 @@ class ModelRunner:
         # its kernels and buffers, so a step's time says what its tokens cost only when its copy's shape is
         # unchanged (the block table's length changes as sequences grow, at no measurable cost: not part of it)
         self.last_shapes: dict[str, StepShape] = {}  # by copy: "main", "single_token", "large_step"
-        self.last_shape: StepShape | None = None  # of the last step, whichever copy ran it
         self.shape_changed = True
         # Dynamic quantization of activations makes the int8 matmuls fast from two tokens up, but a
         # one-token step (one stream decoding) ran faster without it on the Qwen3-4B shape here: 165-177 ms
@@ -181,6 +180,7 @@ class ModelRunner:
         """Run one step; returns the wanted logits rows of every sequence, in order, [sum of num_logits, vocab].
         With a shape, the step runs padded to it (ShapeKeeper chose it; it must be one the step pads to)."""
         num_rows = sum(s.num_logits for s in seqs)
+        copy = self.copy_for(seqs)  # by the step's own sequences: padding never moves it to another copy
         needed = StepShape.of([len(s.token_ids) for s in seqs], [s.num_logits for s in seqs])
         if shape is not None and shape != needed:
             if not needed.pads_to(shape):
@@ -213,19 +213,24 @@ class ModelRunner:
             "block_indices": block_ids,
             SAMPLED_ROWS: sampled,
         }
-        copy, request = "main", self.request
-        if self.single_token_request is not None and input_ids.size == 1:
-            copy, request = "single_token", self.single_token_request
-        elif (
-            self.large_step_request is not None
-            and sum(len(s.token_ids) for s in seqs if s.num_logits <= 1) > LARGE_STEP_TOKENS
-        ):
-            copy, request = "large_step", self.large_step_request
+        request = {"main": self.request, "single_token": self.single_token_request}.get(copy, self.large_step_request)
+        assert request is not None
         self.shape_changed = self.last_shapes.get(copy) != shape
-        self.last_shapes[copy] = self.last_shape = shape
+        self.last_shapes[copy] = shape
         request.infer(inputs, share_inputs=True)
         logits = request.get_output_tensor(0).data
         return logits[:num_rows, -1, :]
+
+    def copy_for(self, seqs: Sequence[StepInput]) -> str:
+        """Which compiled copy runs a step of these sequences: "single_token" for one token where there is
+        that copy, "large_step" for more than LARGE_STEP_TOKENS tokens outside sequences verifying drafts
+        where there is that copy, else "main". Each copy keeps its own last shape (last_shapes)."""
+        if self.single_token_request is not None and sum(len(s.token_ids) for s in seqs) == 1:
+            return "single_token"
+        plain_tokens = sum(len(s.token_ids) for s in seqs if s.num_logits <= 1)
+        if self.large_step_request is not None and plain_tokens > LARGE_STEP_TOKENS:
+            return "large_step"
+        return "main"
 
     def _padding(self, num_sequences: int, num_tokens: int) -> list[StepInput]:
         """Padding sequences of num_tokens tokens in all: one token each but the last, which takes the rest;

@@ -8,6 +8,7 @@ import pytest
 
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
+from service.core.step_shape import StepShape
 from service.engine import Engine, EngineConfig
 from service.errors import InvalidArgument
 from service.runner import ModelRunner, StepInput
@@ -266,6 +267,9 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
         assert runner.last_shapes.keys() == {"main"}
         runner.execute([StepInput([1] * 40, 0, [8, 9], 1)])
         assert runner.last_shapes.keys() == {"main", "large_step"}
+        decoding = [StepInput([1], 8, [i], 1) for i in range(30)]  # padding never moves a step to bf16
+        runner.execute(decoding, StepShape(34, 31, 30))
+        assert runner.copy_for(decoding) == "main" and runner.last_shapes["main"] == StepShape(34, 31, 30)
     f16_cache = EngineConfig(kv_cache_gb=0.02, kv_cache_precision="f16", inference_precision="auto")
     assert ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", f16_cache).large_step_request is None  # bf16's
 

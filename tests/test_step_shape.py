@@ -72,14 +72,15 @@ def test_a_padded_step_gives_the_same_logits_and_keeps_the_shape(runner):
     kv_before = [a[: runner.num_blocks].copy() for a in runner.cache_arrays()]
     three = [StepInput([p[-1], 5, 6], 20, t, 3) for p, t in zip(prompts, tables, strict=True)]
     wide = runner.execute(three)
-    shape = runner.last_shape
+    shape = runner.last_shapes[runner.copy_for(three)]
     assert shape == StepShape(9, 3, 9)
     two = three[:2]  # the third request ended: two sequences, padded with one of three tokens
     unpadded = runner.execute(two).copy()
     kv_unpadded = [a[: runner.num_blocks].copy() for a in runner.cache_arrays()]
     runner.execute(three)
     padded = runner.execute(two, shape)
-    assert not runner.shape_changed and runner.last_shape == shape and padded.shape == (6, wide.shape[1])
+    assert not runner.shape_changed and runner.last_shapes[runner.copy_for(two)] == shape
+    assert padded.shape == (6, wide.shape[1])
     np.testing.assert_array_equal(padded, unpadded)
     np.testing.assert_array_equal(padded, wide[:6])
     for a, b in zip(runner.cache_arrays(), kv_unpadded, strict=True):  # the pads wrote only scratch blocks

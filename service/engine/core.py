@@ -311,7 +311,8 @@ class EngineCore:
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         inputs = [StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks]
         needed = StepShape.of([len(c.token_ids) for c in plan.chunks], [c.num_logits for c in plan.chunks])
-        shape = self.shape_keeper.choose(needed, self.runner.last_shape)
+        # the shape of the copy that will run it: a prompt chunk on the bf16 copy leaves the f32 copy's intact
+        shape = self.shape_keeper.choose(needed, self.runner.last_shapes.get(self.runner.copy_for(inputs)))
         logits = self.runner.execute(inputs, shape)
         clock.lap("execute")
         seconds = clock.seconds["execute"]
