@@ -24,13 +24,12 @@ from service.core.step_shape import MAX_PAD_SEQUENCES, MAX_PAD_TOKENS, StepShape
 log = logging.getLogger(__name__)
 
 SAMPLED_ROWS = "sampled_rows"
-# With --inference-precision auto on a CPU whose plugin defaults to bf16, steps with more tokens than this
-# outside sequences verifying drafts (prompt chunks, many decoding sequences) run on a bf16 copy of the model:
-# bf16 ran a 256-token prompt chunk 1.75x faster than f32, while steps of up to 32 tokens ran 1.05-1.6x faster
-# in f32. Drafts are always verified in f32, as one-token steps compute them and as the draft rule's table of
-# step times measures (a step of 8 sequences with 5 drafts each: 56 ms in f32, 50 ms in bf16); 8 streams of
-# edits ran at 1.24x plain decoding with this against 1.21x with such steps in bf16 (noise), and their greedy
-# replies equalled plain decoding's as often (23 of 48, 33 of 72).
+# With --inference-precision auto on a CPU whose plugin defaults to bf16, steps of more tokens than this run on
+# a bf16 copy of the model: bf16 ran a 256-token prompt chunk 1.75x faster than f32, while steps of up to 32
+# tokens (decoding, verifying drafts) ran 1.05-1.6x faster in f32. Verify steps above it go to bf16 too: 8
+# sequences with 5 drafts each took 50 ms in bf16 and 56 in f32, and 8 streams of edits ran at 1.19x plain
+# decoding so against 1.12x with every verify step in f32 (3 rounds, same run); their greedy replies matched
+# plain decoding's no less often with bf16 verify steps.
 LARGE_STEP_TOKENS = 32
 
 
@@ -223,12 +222,12 @@ class ModelRunner:
 
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
         """Which compiled copy runs a step of these sequences: "single_token" for one token where there is
-        that copy, "large_step" for more than LARGE_STEP_TOKENS tokens outside sequences verifying drafts
-        where there is that copy, else "main". Each copy keeps its own last shape (last_shapes)."""
-        if self.single_token_request is not None and sum(len(s.token_ids) for s in seqs) == 1:
+        that copy, "large_step" for more than LARGE_STEP_TOKENS tokens where there is that copy, else "main".
+        Each copy keeps its own last shape (last_shapes)."""
+        tokens = sum(len(s.token_ids) for s in seqs)
+        if self.single_token_request is not None and tokens == 1:
             return "single_token"
-        plain_tokens = sum(len(s.token_ids) for s in seqs if s.num_logits <= 1)
-        if self.large_step_request is not None and plain_tokens > LARGE_STEP_TOKENS:
+        if self.large_step_request is not None and tokens > LARGE_STEP_TOKENS:
             return "large_step"
         return "main"
 

@@ -261,12 +261,12 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
     finally:
         engine.shutdown()
     runner = ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
-    if runner.large_step_request is not None:  # drafts are verified in f32 however many; prompts go to bf16
-        verify = [StepInput([1] * 6, 8, [i], 6) for i in range(8)]
-        runner.execute(verify)
+    if runner.large_step_request is not None:  # steps of more than 32 tokens go to bf16, each copy has its shape
+        runner.execute([StepInput([1] * 4, 8, [i], 4) for i in range(8)])
         assert runner.last_shapes.keys() == {"main"}
         runner.execute([StepInput([1] * 40, 0, [8, 9], 1)])
         assert runner.last_shapes.keys() == {"main", "large_step"}
+        assert runner.last_shapes["main"] == StepShape(32, 8, 32)
         decoding = [StepInput([1], 8, [i], 1) for i in range(30)]  # padding never moves a step to bf16
         runner.execute(decoding, StepShape(34, 31, 30))
         assert runner.copy_for(decoding) == "main" and runner.last_shapes["main"] == StepShape(34, 31, 30)
