@@ -137,10 +137,8 @@ def cb_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Serve:
         running: dict[int, Any] = {}
         waiting = iter(range(len(prompts)))
         while True:
-            for i in waiting if len(running) < streams else ():
+            while len(running) < streams and (i := next(waiting, None)) is not None:
                 running[i] = pipe.add_request(next(request_ids), _tensor(prompts[i]), config)
-                if len(running) == streams:
-                    break
             if not running:
                 return replies
             pipe.step()

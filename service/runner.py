@@ -161,13 +161,18 @@ class ModelRunner:
                 block_size = dims[1]  # [blocks, kv_heads, block_size, head_size (+ scales)]
         return block_size, bytes_per_block
 
+    def _copies(self) -> dict[str, ov.InferRequest]:
+        """The compiled copies there are, by the names copy_for gives; they share the KV cache tensors."""
+        copies = {"main": self.request, "single_token": self.single_token_request}
+        copies["large_step"] = self.large_step_request
+        return {name: request for name, request in copies.items() if request is not None}
+
     def _allocate_cache(self) -> None:
-        requests = [r for r in (self.request, self.single_token_request, self.large_step_request) if r is not None]
         rows = self.num_blocks + len(self.pad_blocks)
         for port in self._cache_inputs():
             dims = [rows] + [d.get_length() for d in list(port.get_partial_shape())[1:]]
             tensor = ov.Tensor(port.get_element_type(), ov.Shape(dims))
-            for request in requests:
+            for request in self._copies().values():
                 request.set_tensor(port.get_any_name(), tensor)
 
     def cache_arrays(self) -> list[np.ndarray]:
@@ -212,8 +217,7 @@ class ModelRunner:
             "block_indices": block_ids,
             SAMPLED_ROWS: sampled,
         }
-        request = {"main": self.request, "single_token": self.single_token_request}.get(copy, self.large_step_request)
-        assert request is not None
+        request = self._copies()[copy]
         self.shape_changed = self.last_shapes.get(copy) != shape
         self.last_shapes[copy] = shape
         request.infer(inputs, share_inputs=True)
