@@ -3,6 +3,7 @@
 import asyncio
 import random
 
+import numpy as np
 import openvino as ov
 import pytest
 
@@ -15,7 +16,7 @@ from service.runner import ModelRunner, StepInput
 from tests.reference import StatefulReference
 
 NEW = 12
-PRECISION = "f16"  # exact comparisons: a u8 cache quantizes a block differently when it is filled in chunks
+PRECISION = "f16"  # exact comparisons: a u8 cache rounds the small differences between a chunk and one-token steps
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
 
@@ -322,6 +323,26 @@ def test_fast_single_stream_runs_one_token_steps_without_dynamic_quantization(ti
         # Seen on AVX-512 VNNI hosts: the CPU plugin leaves one-token steps unquantized by itself, so the
         # copy cannot be told apart here (and --fast-single-stream gains nothing on such a host).
         pytest.skip("this CPU's plugin does not quantize activations of one-token steps")
+
+
+def test_a_u8_cache_keeps_a_tokens_key_whatever_is_written_after_it_in_its_block(tiny_qwen3_fp16_ir):
+    """Rejected drafts are written into the cache and then written over: with keys quantized by token, the
+    tokens before them read back exactly as before, so a position computed again gives the same logits (with
+    keys quantized by channel over the block, the drafts' values changed the block's scales)."""
+    runner = ModelRunner(
+        tiny_qwen3_fp16_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02, inference_precision="f32")
+    )
+    assert runner.cache_format.count(":u8[") == len(runner.cache_arrays())
+    prompt = prompts(1, seed=7)[0][:20]
+    blocks = [0, 1]
+    runner.execute([StepInput(prompt, 0, blocks, 1)])
+    first = runner.execute([StepInput([prompt[-1]], 20, blocks, 1)]).copy()
+    rng = np.random.default_rng(3)
+    for _ in range(3):  # drafts of very different tokens, rejected, at the positions after it
+        drafts = rng.integers(10, 1000, 8).tolist()
+        runner.execute([StepInput([prompt[-1], *drafts], 20, blocks, 9)])
+    again = runner.execute([StepInput([prompt[-1]], 20, blocks, 1)])
+    np.testing.assert_array_equal(again, first)
 
 
 async def _all_logprobs(engine: Engine, prompt, params):
