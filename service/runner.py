@@ -233,6 +233,12 @@ class ModelRunner:
         logits = request.get_output_tensor(0).data
         return logits[:num_rows, -1, :]
 
+    @property
+    def one_copy_for_all_steps(self) -> bool:
+        """Whether every step with more than one token runs on the same compiled copy, so that a row computed
+        in one step is computed the same way in another (no bf16 copy for large steps)."""
+        return self.large_step_request is None
+
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
         """Which compiled copy runs a step of these sequences: "single_token" for one token where there is
         that copy, "large_step" for more than LARGE_STEP_TOKENS tokens where there is that copy, else "main".

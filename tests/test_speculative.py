@@ -18,7 +18,7 @@ from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
 from service.core.request import Request
 from service.core.sampler import sample, verify
-from service.core.scheduler import Scheduler
+from service.core.scheduler import ScheduledChunk, Scheduler
 from service.core.speculative import (
     PRIOR_ACCEPTANCE,
     DraftStats,
@@ -29,7 +29,9 @@ from service.core.speculative import (
     choose_drafts,
 )
 from service.engine import Engine
+from service.engine.core import step_inputs
 from service.errors import InvalidArgument
+from service.runner import ModelRunner, StepInput
 from tests.test_server import TIMEOUT, Running, base_config, free_port
 
 IDS = itertools.count()
@@ -236,12 +238,8 @@ def test_verify_with_top_k_never_emits_a_cut_token():
 def outputs(model, prompts, max_new, params=None, proposer=None, **config) -> tuple[list[list[int]], object]:
     """The tokens of each prompt, all submitted at once; params[i] for prompt i (default: greedy). With
     logprobs, each token comes as (token, its logprob's token id, logprob). proposer replaces prompt lookup."""
-    engine = Engine(
-        model,
-        EngineConfig(
-            kv_cache_gb=0.02, max_num_batched_tokens=64, kv_cache_precision="f16", inference_precision="f32", **config
-        ),
-    )
+    defaults = {"kv_cache_gb": 0.02, "max_num_batched_tokens": 64, "kv_cache_precision": "f16"}
+    engine = Engine(model, EngineConfig(**(defaults | {"inference_precision": "f32"} | config)))
     if proposer is not None:
         engine.core.scheduler.proposer = proposer
     engine.start()
@@ -296,8 +294,12 @@ class Oracle:
         return []
 
 
-def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir):
-    """Uncompressed weights and an f16 cache: a k+1-token verify step must reproduce one-token decoding."""
+@pytest.mark.parametrize("rows", ["one-token rows", "one sequence"])
+def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, rows, monkeypatch):
+    """Uncompressed weights and an f16 cache: a k+1-token verify step must reproduce one-token decoding, its
+    drafts fed as one-token rows (one compiled copy) or as one sequence (with auto's bf16 copy)."""
+    if rows == "one sequence":
+        monkeypatch.setattr(ModelRunner, "one_copy_for_all_steps", property(lambda self: False))
     prompts = [TEXT, TEXT[10:] + TEXT[:10], [5, 6, 7] * 12]
     plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40)
     spec = {"speculative_tokens": 4, "speculation": "auto"}
@@ -308,6 +310,46 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     # each verify step yields its kept drafts and one token; every other step one token per request
     assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
+
+
+def test_drafts_rows_are_computed_as_decode_steps_compute_them(tiny_qwen3_ir):
+    """int8 weights and a u8 cache: a verify step's rows are the rows one-token decode steps give, bit for
+    bit, when the drafts run as one-token sequences on the request's block table (step_inputs, where all
+    steps run on one copy). Fed as one many-token sequence they are not (the check that the test can tell)."""
+    runner = ModelRunner(
+        tiny_qwen3_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02, inference_precision="f32")
+    )
+    rng = np.random.default_rng(1)
+    prompt, other = rng.integers(10, 1000, 30).tolist(), rng.integers(10, 1000, 20).tolist()
+    table, other_table = [0, 1], [2]
+    runner.execute([StepInput(prompt, 0, table, 1), StepInput(other, 0, other_table, 1)])
+    fed = rng.integers(10, 1000, 6).tolist()  # the request's last token and five drafts
+    beside = StepInput([other[-1]], 20, other_table, 1)  # decode steps of two sequences, as in a batch
+    decoded = np.stack(
+        [runner.execute([StepInput([t], 30 + i, table, 1), beside])[0].copy() for i, t in enumerate(fed)]
+    )
+    request = Request(1, prompt, SamplingParams())
+    chunk = ScheduledChunk(request, 30, 6, table, sample=True, drafts=tuple(fed[1:]))
+    request.append_token(fed[0])
+    rows = step_inputs(chunk, one_token_rows=True)
+    assert [r.token_ids for r in rows] == [[t] for t in fed]
+    np.testing.assert_array_equal(runner.execute([*rows, beside])[:6], decoded)
+    one_sequence = runner.execute([StepInput(fed, 30, table, 6), beside])[:6]
+    assert not np.array_equal(one_sequence, decoded)
+
+
+def test_speculation_on_int8_weights_gives_the_greedy_tokens_and_logprobs_of_a_batch(tiny_qwen3_ir):
+    """int8 weights, u8 cache: requests decoding together (steps of several sequences) get with drafts the
+    tokens and the very log-probabilities they get without, since verify rows are decode rows. Same-length
+    prompts: the oracle's drafts are kept and rejected in step, so the requests stay together to the end."""
+    prompts = [TEXT[:20], TEXT[20:40], TEXT[40:]]  # one prefill step of 60 tokens
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=1)] * 3
+    plain, _ = outputs(tiny_qwen3_ir, prompts, 0, params, kv_cache_precision="u8")
+    oracle = Oracle(prompts, plain)
+    spec = {"speculative_tokens": 4, "speculation": "auto", "kv_cache_precision": "u8"}
+    fast, stats = outputs(tiny_qwen3_ir, prompts, 0, params, oracle, **spec)
+    assert stats.num_accepted_tokens > 0, stats
+    assert fast == plain
 
 
 def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwen3_fp16_ir):

@@ -168,14 +168,14 @@ class EngineCore:
         for n in sizes:
             for i in range(repeats + 1):
                 start = time.perf_counter()
-                self.runner.execute([StepInput([0] * n, 8, blocks, n)])
+                self.runner.execute(draft_rows(n, blocks, self.runner.one_copy_for_all_steps))
                 if i:
                     self.step_times.observe(n, time.perf_counter() - start)
         # and what a change of shape costs: steps alternating between no drafts and K, shapes seen above
         for i in range(2 * repeats):
             n = 1 + (i % 2) * self.config.speculative_tokens
             start = time.perf_counter()
-            self.runner.execute([StepInput([0] * n, 8, blocks, n)])
+            self.runner.execute(draft_rows(n, blocks, self.runner.one_copy_for_all_steps))
             self.step_times.observe_change(n, time.perf_counter() - start)
 
     def stop(self) -> None:
@@ -309,18 +309,21 @@ class EngineCore:
         # the result and is their only user otherwise.
         constrained = [c for c in sampled if c.request.matcher is not None]
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
-        inputs = [StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks]
-        needed = StepShape.of([len(c.token_ids) for c in plan.chunks], [c.num_logits for c in plan.chunks])
+        one_token_rows = self.runner.one_copy_for_all_steps
+        inputs = [row for c in plan.chunks for row in step_inputs(c, one_token_rows)]
+        needed = StepShape.of([len(i.token_ids) for i in inputs], [i.num_logits for i in inputs])
         # the shape of the copy that will run it: a prompt chunk on the bf16 copy leaves the f32 copy's intact
         shape = self.shape_keeper.choose(needed, self.runner.last_shapes.get(self.runner.copy_for(inputs)))
         logits = self.runner.execute(inputs, shape)
         clock.lap("execute")
         seconds = clock.seconds["execute"]
+        # the cost table counts requests (and padding sequences), not the one-token rows of drafts
+        sequences = len(plan.chunks) + shape.sequences - needed.sequences
         if self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
             self.num_shape_changes += 1
-            self.step_times.observe_change(shape.tokens, seconds, shape.sequences)
+            self.step_times.observe_change(shape.tokens, seconds, sequences)
         else:
-            self.step_times.observe(shape.tokens, seconds, shape.sequences)
+            self.step_times.observe(shape.tokens, seconds, sequences)
         by_id = {}
         if pending is not None:
             by_id = pending.result()
@@ -468,6 +471,29 @@ class EngineCore:
             num_restores=t.num_restores,
             restore_seconds_total=t.restore_seconds_total,
         )
+
+
+def step_inputs(chunk: ScheduledChunk, one_token_rows: bool) -> list[StepInput]:
+    """A chunk's share of a step. With one_token_rows, a chunk with drafts runs as one-token sequences on the
+    same block table, one a position: the attention kernel writes every new key and value before it reads
+    any, so each sees the ones before it, and each row is computed exactly as a decode step of several
+    sequences computes it (bit for bit, int8 weights and u8 cache too). Fed as one sequence of k + 1 tokens,
+    the rows come from the kernel for many-token queries, which rounds differently: on SmolLM2 int8 rows moved
+    by up to 0.7 in the logits, and greedy replies with drafts differed from plain decoding's. One-token rows
+    cost as much at 1-2 drafts and 5-12% more at 5 (more reads of the context), so they are used where they
+    make speculation exact: where every step runs on one compiled copy. With auto precision's bf16 copy,
+    decoding rows that share a step with a prompt chunk run in bf16 anyway, and the many-token kernel, at
+    more than 32 tokens also on that copy, is the faster."""
+    if not chunk.drafts or not one_token_rows:
+        return [StepInput(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits)]
+    return [StepInput([t], chunk.start + i, chunk.block_ids, 1) for i, t in enumerate(chunk.token_ids)]
+
+
+def draft_rows(n: int, blocks: list[int], one_token_rows: bool) -> list[StepInput]:
+    """A warm-up step as a request verifying n - 1 drafts runs it (step_inputs), after 8 tokens of context."""
+    if not one_token_rows:
+        return [StepInput([0] * n, 8, blocks, n)]
+    return [StepInput([0], 8 + i, blocks, 1) for i in range(n)]
 
 
 def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:
