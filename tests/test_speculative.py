@@ -462,7 +462,8 @@ def test_drafts_cost_by_the_sequence_not_by_the_step():
 
 def test_a_request_keeps_its_number_of_drafts_unless_a_change_of_shape_pays():
     """A step of the same shape as the one before is cheaper: a request switches to a better number of
-    drafts only when what the switch saves over HORIZON steps exceeds what a change of shape costs."""
+    drafts only when what the switch saves over HORIZON steps exceeds what two changes of shape cost (drafts
+    come and go with the matches, so a switch is undone before long)."""
     times = StepTimes()
     for n, seconds in {1: 0.0162, 2: 0.0169, 3: 0.0179, 4: 0.0197, 5: 0.0237, 6: 0.0237}.items():
         times.observe(n, seconds)
@@ -472,11 +473,16 @@ def test_a_request_keeps_its_number_of_drafts_unless_a_change_of_shape_pays():
     copying = runs_of(*[5] * 10)  # every guess kept whole
     rates = [cost.rate(copying, k) for k in range(6)]
     assert max(range(6), key=rates.__getitem__) == 5 and rates[5] < 1.25 * rates[4]  # 5 drafts: 20% better than 4
-    for kept in range(6):  # 4 steps at 20% faster save more than the 5 ms a change costs: switch
+    for kept in range(6):  # 4 steps at 20% faster save more than the 2 x 5 ms of changes: switch
         copying.num_drafts = kept
         assert choose_drafts(cost, [(copying, 5)]) == [5] and copying.num_drafts == 5
-    for _ in range(50):  # changes got far dearer: 30 ms
-        times.observe_change(1, 0.0162 + 0.030)
+    for _ in range(50):  # 9 ms a change: from 3 or 4 drafts a switch saves 15.5 ms, more than one change
+        times.observe_change(1, 0.0162 + 0.009)
+    for kept, chosen in ((4, 4), (3, 3), (2, 5)):
+        copying.num_drafts = kept
+        assert choose_drafts(cost, [(copying, 5)]) == [chosen]
+    for _ in range(50):  # changes got far dearer: 20 ms
+        times.observe_change(1, 0.0162 + 0.020)
     copying.num_drafts = 4
     assert choose_drafts(cost, [(copying, 5)]) == [4]
     copying.num_drafts = 0  # but no drafts at all against five kept ones: 6 tokens a step instead of 1
