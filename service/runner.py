@@ -172,8 +172,11 @@ class ModelRunner:
 
     def _copies(self) -> dict[str, ov.InferRequest]:
         """The compiled copies there are, by the names copy_for gives; they share the KV cache tensors."""
-        copies = {"main": self.request, "single_token": self.single_token_request}
-        copies["large_step"] = self.large_step_request
+        copies = {
+            "main": self.request,
+            "single_token": self.single_token_request,
+            "large_step": self.large_step_request,
+        }
         return {name: request for name, request in copies.items() if request is not None}
 
     def _allocate_cache(self) -> None:

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,14 +168,14 @@ class EngineCore:
         for n in sizes:
             for i in range(repeats + 1):
                 start = time.perf_counter()
-                self.runner.execute(draft_rows(n, blocks, self.runner.one_copy_for_all_steps))
+                self.runner.execute(verify_inputs([0] * n, 8, blocks, self.runner.one_copy_for_all_steps))
                 if i:
                     self.step_times.observe(n, time.perf_counter() - start)
         # and what a change of shape costs: steps alternating between no drafts and K, shapes seen above
         for i in range(2 * repeats):
             n = 1 + (i % 2) * self.config.speculative_tokens
             start = time.perf_counter()
-            self.runner.execute(draft_rows(n, blocks, self.runner.one_copy_for_all_steps))
+            self.runner.execute(verify_inputs([0] * n, 8, blocks, self.runner.one_copy_for_all_steps))
             self.step_times.observe_change(n, time.perf_counter() - start)
 
     def stop(self) -> None:
@@ -484,16 +484,19 @@ def step_inputs(chunk: ScheduledChunk, one_token_rows: bool) -> list[StepInput]:
     make speculation exact: where every step runs on one compiled copy. With auto precision's bf16 copy,
     decoding rows that share a step with a prompt chunk run in bf16 anyway, and the many-token kernel, at
     more than 32 tokens also on that copy, is the faster."""
-    if not chunk.drafts or not one_token_rows:
+    if not chunk.drafts:
         return [StepInput(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits)]
-    return [StepInput([t], chunk.start + i, chunk.block_ids, 1) for i, t in enumerate(chunk.token_ids)]
+    return verify_inputs(chunk.token_ids, chunk.start, chunk.block_ids, one_token_rows)
 
 
-def draft_rows(n: int, blocks: list[int], one_token_rows: bool) -> list[StepInput]:
-    """A warm-up step as a request verifying n - 1 drafts runs it (step_inputs), after 8 tokens of context."""
+def verify_inputs(
+    token_ids: Sequence[int], start: int, block_ids: Sequence[int], one_token_rows: bool
+) -> list[StepInput]:
+    """A request's last token and drafts at positions start.., every row wanted: one sequence, or one-token
+    rows (step_inputs says when and why). The warm-up measures draft steps through it too."""
     if not one_token_rows:
-        return [StepInput([0] * n, 8, blocks, n)]
-    return [StepInput([0], 8 + i, blocks, 1) for i in range(n)]
+        return [StepInput(token_ids, start, block_ids, len(token_ids))]
+    return [StepInput([t], start + i, block_ids, 1) for i, t in enumerate(token_ids)]
 
 
 def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:
