@@ -22,6 +22,7 @@ from service.core.sampler import sample, verify
 from service.core.scheduler import ScheduledChunk, Scheduler
 from service.core.speculative import (
     PRIOR_ACCEPTANCE,
+    DraftCosts,
     DraftStats,
     PromptLookup,
     StepCost,
@@ -350,7 +351,7 @@ def test_speculation_on_int8_weights_gives_the_greedy_tokens_and_logprobs_of_a_b
     prompts: the oracle's drafts are kept and rejected in step, so the requests stay together to the end.
     Every request gets all the drafts it may have: the cost rule reads the machine's step times, which on the
     tiny int8 model sometimes made drafts look too dear, and this test is about what verify rows compute."""
-    monkeypatch.setattr(scheduler_module, "choose_drafts", lambda cost, requests: [limit for _, limit in requests])
+    monkeypatch.setattr(scheduler_module, "choose_drafts", lambda cost, requests: [limit for _, limit, _ in requests])
     prompts = [TEXT[:20], TEXT[20:40], TEXT[40:]]  # one prefill step of 60 tokens
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=1)] * 3
     plain, _ = outputs(tiny_qwen3_ir, prompts, 0, params, kv_cache_precision="u8")
@@ -444,7 +445,7 @@ def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
     assert crowd.best(DraftStats(), 5) == 0
     assert crowd.best(runs_of(*[0, 2] * 10), 5) == 0
     assert crowd.best(runs_of(*[8] * 10), 5) == 5  # copying gains 3% here (the prior line: F = 8)...
-    assert choose_drafts(crowd, [(runs_of(*[8] * 10), 5)]) == [0]  # ...less than a change of shape is worth
+    assert choose_drafts(crowd, [(runs_of(*[8] * 10), 5, 0)]) == [0]  # ...less than a change of shape is worth
     few = StepCost(StepTimes(8), tokens=8, produced=8)
     assert few.best(runs_of(*[8] * 10), 5) == 5  # beside 7 others, a request that copies its input gains
     beside_a_prompt = StepCost(StepTimes(8), tokens=200, produced=1)  # one decoding request beside a prompt chunk
@@ -484,19 +485,19 @@ def test_a_request_keeps_its_number_of_drafts_unless_a_change_of_shape_pays():
     assert max(range(6), key=rates.__getitem__) == 5 and rates[5] < 1.25 * rates[4]  # 5 drafts: 20% better than 4
     for kept in range(6):  # 4 steps at 20% faster save more than the 2 x 5 ms of changes: switch
         copying.num_drafts = kept
-        assert choose_drafts(cost, [(copying, 5)]) == [5] and copying.num_drafts == 5
+        assert choose_drafts(cost, [(copying, 5, 0)]) == [5] and copying.num_drafts == 5
     for _ in range(50):  # 9 ms a change: from 3 or 4 drafts a switch saves 15.5 ms, more than one change
         times.observe_change(1, 0.0162 + 0.009)
     for kept, chosen in ((4, 4), (3, 3), (2, 5)):
         copying.num_drafts = kept
-        assert choose_drafts(cost, [(copying, 5)]) == [chosen]
+        assert choose_drafts(cost, [(copying, 5, 0)]) == [chosen]
     for _ in range(50):  # changes got far dearer: 20 ms
         times.observe_change(1, 0.0162 + 0.020)
     copying.num_drafts = 4
-    assert choose_drafts(cost, [(copying, 5)]) == [4]
+    assert choose_drafts(cost, [(copying, 5, 0)]) == [4]
     copying.num_drafts = 0  # but no drafts at all against five kept ones: 6 tokens a step instead of 1
-    assert choose_drafts(cost, [(copying, 5)]) == [5]
-    assert choose_drafts(cost, [(copying, 0)]) == [0]  # and never beyond the limit
+    assert choose_drafts(cost, [(copying, 5, 0)]) == [5]
+    assert choose_drafts(cost, [(copying, 0, 0)]) == [0]  # and never beyond the limit
 
 
 def test_the_whole_step_switches_or_none_of_it():
@@ -515,7 +516,7 @@ def test_the_whole_step_switches_or_none_of_it():
     one.add(1, missing[0])
     alone_saves = 4 * one.seconds * (1 - (one.produced / one.seconds) / (8 / cost.seconds))
     assert alone_saves < times.change_seconds  # one request dropping its draft would not pay for a change
-    assert choose_drafts(cost, [(stats, 5) for stats in missing]) == [0] * 8  # all eight dropping theirs does
+    assert choose_drafts(cost, [(stats, 5, 0) for stats in missing]) == [0] * 8  # all eight dropping theirs does
 
 
 def test_a_first_change_of_shape_costs_a_quarter_step_until_measured():
@@ -727,3 +728,62 @@ def test_one_wild_step_moves_the_estimate_little():
     flat = StepTimes()
     feed(flat, lambda n: 1.0, sizes=(1, 8))  # the fixed part is everything
     assert flat.overhead == 64.0
+
+
+def test_draft_costs_are_fitted_by_drafts_drafting_sequences_and_their_context():
+    """Steps of 8 sequences measured on SmolLM2 (ms added by drafts, at 8 and 1000 tokens of context): one
+    draft for each of the 8 and ten for one of them. The fit splits them into a draft's, a drafting
+    sequence's and a context token's share, and predicts the layouts it was not given."""
+    truth = DraftCosts(per_draft=0.0004, per_sequence=0.0002, per_context_token=0.0000025)
+    layouts = [(1, 10), (8, 1), (4, 5), (8, 2)]
+    samples = [([(k, c)] * m, m * truth.of(k, c)) for c in (8, 1000) for m, k in layouts]
+    fitted = DraftCosts.fit(samples)
+    assert fitted.per_draft == pytest.approx(truth.per_draft)
+    assert fitted.per_sequence == pytest.approx(truth.per_sequence)
+    assert fitted.per_context_token == pytest.approx(truth.per_context_token)
+    assert fitted.of(3, 500) == pytest.approx(0.0004 * 3 + 0.0002 + 0.0000025 * 500)
+    # noise that makes a share negative: it counts as none, never as drafts that save time
+    noisy = DraftCosts.fit([([(1, 8)], -0.001), ([(2, 8)], 0.0005), ([(1, 8), (1, 8)], 0.0002)])
+    assert min(noisy.per_draft, noisy.per_sequence, noisy.per_context_token) >= 0
+
+
+def test_drafts_beside_other_sequences_cost_what_the_fit_and_the_live_steps_say():
+    """Beside other sequences a request's drafts cost DraftCosts' figure, scaled by what live draft steps
+    added against it; alone, the one-sequence curve's difference, never below 0 (its one-token entry is
+    another compiled copy's, and a noisy one made drafts look free)."""
+    times = StepTimes()
+    for n, seconds in {1: 0.0130, 2: 0.0125, 6: 0.0150, 11: 0.0170}.items():
+        times.observe(n, seconds)
+    times.observe(8, 0.0170, sequences=8)
+    assert times.draft_cost(1) == 0.0  # 12.5 ms against 13.0: not a saving
+    assert times.draft_cost(5, 8, 8, context=300) == pytest.approx(0.0150 - 0.0130)  # no fit yet: the curve
+    times.draft_costs = DraftCosts(per_draft=0.0005, per_sequence=0.0002, per_context_token=0.0000025)
+    assert times.draft_cost(5, 8, 8, context=300) == pytest.approx(0.0025 + 0.0002 + 0.00075)
+    assert times.draft_cost(5, 1, 1, context=300) == pytest.approx(0.0150 - 0.0130)  # alone: the curve
+    predicted = times.draft_cost(5, 8, 8, context=300)
+    for _ in range(30):  # live steps with one request's 5 drafts took twice what the fit says
+        times.observe_drafts(13, 0.0170 + 2 * predicted, 8, [(5, 300)])
+    assert 1.8 < times.draft_scale <= 2.0
+    assert times.draft_cost(5, 8, 8, context=300) == pytest.approx(times.draft_scale * predicted)
+    for _ in range(100):  # a stall is clipped: the scale never passes MAX_DRAFT_SCALE
+        times.observe_drafts(13, 1.0, 8, [(5, 300)])
+    assert times.draft_scale == StepTimes.MAX_DRAFT_SCALE
+    for _ in range(100):  # and comes back down when draft steps get cheap
+        times.observe_drafts(13, 0.0170 + predicted / 4, 8, [(5, 300)])
+    assert times.draft_scale == pytest.approx(1 / StepTimes.MAX_DRAFT_SCALE, rel=0.05)
+
+
+def test_the_warm_up_fits_draft_costs_on_the_real_model(tiny_qwen3_fp16_ir):
+    """An engine that speculates by default measures its draft costs before serving."""
+    engine = Engine(
+        tiny_qwen3_fp16_ir,
+        EngineConfig(kv_cache_gb=0.02, speculation="auto", kv_cache_precision="f16", inference_precision="f32"),
+    )
+    engine.start()
+    try:
+        costs = engine.core.step_times.draft_costs
+        assert costs is not None and min(costs.per_draft, costs.per_sequence, costs.per_context_token) >= 0
+        assert costs.of(5, 100) > 0
+        assert engine.core.kv.pool.num_free == engine.core.kv.pool.num_blocks  # the warm-up took no block
+    finally:
+        engine.shutdown()

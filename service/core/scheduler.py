@@ -364,7 +364,7 @@ class Scheduler:
             )
             if limit > 0:
                 candidates.append((request, limit))
-        chosen = choose_drafts(cost, [(r.draft_stats, limit) for r, limit in candidates])
+        chosen = choose_drafts(cost, [(r.draft_stats, limit, r.num_tokens) for r, limit in candidates])
         return {r.id: k for (r, _), k in zip(candidates, chosen, strict=True)}
 
     def _drafts(self, request: Request, k: int) -> tuple[int, ...]:

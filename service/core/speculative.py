@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+import numpy as np
+
 # A request's drafts are judged by what they would have earned: its proposer's guess of the next tokens is
 # watched, and when the reply leaves it (or has matched all of it) the length of the agreeing run is
 # recorded. This costs no step: a request that is not offered drafts still has its guesses checked against
@@ -100,11 +102,15 @@ class DraftStats:
     def expected_tokens(self, num_drafts: int) -> float:
         """Tokens a decode step with num_drafts drafts is expected to yield: its own token, plus the j-th
         draft for every j up to num_drafts that the reply's runs reach."""
+        return self.expected_tokens_up_to(num_drafts)[-1]
+
+    def expected_tokens_up_to(self, limit: int) -> list[float]:
+        """expected_tokens(k) for k = 0 to limit, in one pass."""
         total = self.prior + sum(self.runs)
-        expected, at_least = 1.0, sum(self.runs)  # at_least: the runs' weight of length j or more
-        for j in range(1, num_drafts + 1):
+        expected, at_least = [1.0], sum(self.runs)  # at_least: the runs' weight of length j or more
+        for j in range(1, limit + 1):
             at_least -= self.runs[j - 1] if j - 1 < len(self.runs) else 0.0
-            expected += (self.prior * PRIOR_ACCEPTANCE**j + max(at_least, 0.0)) / total
+            expected.append(expected[-1] + (self.prior * PRIOR_ACCEPTANCE**j + max(at_least, 0.0)) / total)
         return expected
 
 
@@ -127,20 +133,28 @@ class StepCost:
     num_drafts: int = 0
     draft_seconds: float = 0.0  # what the drafts added so far add to the step
 
-    def rate(self, stats: DraftStats, num_drafts: int) -> float:
-        """Expected tokens per unit of time of the step if the request gets num_drafts drafts."""
+    def rate(self, stats: DraftStats, num_drafts: int, context: int = 0) -> float:
+        """Expected tokens per unit of time of the step if the request, `context` tokens long, gets num_drafts
+        drafts."""
         gained = stats.expected_tokens(num_drafts) - 1
         return (self.produced + gained) / (
-            self.seconds + self.times.draft_cost(num_drafts, self.tokens, self.sequences)
+            self.seconds + self.times.draft_cost(num_drafts, self.tokens, self.sequences, context)
         )
 
-    def best(self, stats: DraftStats, limit: int) -> int:
-        """The number of drafts (at most limit) that gives the step the most tokens per second."""
-        return max(range(limit + 1), key=lambda k: self.rate(stats, k))
+    def best(self, stats: DraftStats, limit: int, context: int = 0) -> int:
+        """The number of drafts (at most limit) that gives the step the most tokens per second (rate's, for
+        every number at once: the scheduler asks this for every decoding request in every step)."""
+        seconds, expected = self.seconds, stats.expected_tokens_up_to(limit)
+        rates = [
+            (self.produced + expected[k] - 1)
+            / (seconds + self.times.draft_cost(k, self.tokens, self.sequences, context))
+            for k in range(limit + 1)
+        ]
+        return max(range(limit + 1), key=rates.__getitem__)
 
-    def add(self, num_drafts: int, stats: DraftStats) -> None:
+    def add(self, num_drafts: int, stats: DraftStats, context: int = 0) -> None:
         self.num_drafts += num_drafts
-        self.draft_seconds += self.times.draft_cost(num_drafts, self.tokens, self.sequences)
+        self.draft_seconds += self.times.draft_cost(num_drafts, self.tokens, self.sequences, context)
         self.produced += stats.expected_tokens(num_drafts) - 1
 
     @property
@@ -148,27 +162,27 @@ class StepCost:
         return self.times.cost(self.tokens, self.sequences) + self.draft_seconds
 
 
-def choose_drafts(cost: StepCost, requests: Sequence[tuple[DraftStats, int]]) -> list[int]:
+def choose_drafts(cost: StepCost, requests: Sequence[tuple[DraftStats, int, int]]) -> list[int]:
     """The number of drafts for each of a step's decoding requests, given as (what its guesses earned, its
-    limit): each request's best number in turn (each added to the step before the next is judged), unless
-    the numbers they had in the last step are nearly as good. The step's shape is what a change costs, so
-    the whole step switches or none of it: when the time the best numbers save over HORIZON steps does not
-    pay for CHANGES_PER_SWITCH changes of shape, every request keeps its number (a request's own share of a many-request
-    step is too small to pay for a change alone, and left to decide alone, each would keep its number
-    forever). Sets each request's num_drafts."""
+    limit, its tokens so far): each request's best number in turn (each added to the step before the next
+    is judged), unless the numbers they had in the last step are nearly as good. The step's shape is what a
+    change costs, so the whole step switches or none of it: when the time the best numbers save over HORIZON
+    steps does not pay for CHANGES_PER_SWITCH changes of shape, every request keeps its number (a request's
+    own share of a many-request step is too small to pay for a change alone, and left to decide alone, each
+    would keep its number forever). Sets each request's num_drafts."""
     best_cost, kept_cost = replace(cost), replace(cost)
     best, kept = [], []
-    for stats, limit in requests:
-        best.append(best_cost.best(stats, limit))
-        best_cost.add(best[-1], stats)
+    for stats, limit, context in requests:
+        best.append(best_cost.best(stats, limit, context))
+        best_cost.add(best[-1], stats, context)
         kept.append(min(stats.num_drafts, limit))
-        kept_cost.add(kept[-1], stats)
+        kept_cost.add(kept[-1], stats, context)
     speed_kept = kept_cost.produced / kept_cost.seconds
     speed_best = best_cost.produced / best_cost.seconds
     saved = HORIZON * kept_cost.seconds * (1 - speed_kept / speed_best)
     switching = CHANGES_PER_SWITCH * cost.times.change_cost(kept_cost.tokens + kept_cost.num_drafts, cost.sequences)
     chosen = best if saved > switching else kept
-    for (stats, _), k in zip(requests, chosen, strict=True):
+    for (stats, _, _), k in zip(requests, chosen, strict=True):
         stats.num_drafts = k
     return chosen
 
@@ -198,6 +212,7 @@ class StepTimes:
 
     ALPHA = 0.1  # about the last ten steps of an entry count
     CLIP = 1.5
+    MAX_DRAFT_SCALE = 2.0
 
     def __init__(self, overhead: float = 8.0, max_tokens: int = 64) -> None:
         self.prior_overhead = overhead
@@ -207,6 +222,11 @@ class StepTimes:
         self.sizes: dict[int, list[int]] = {}  # by sequences: the measured token counts, ascending
         # what a step of another shape than the one before costs beyond its entry; None until measured
         self.change_seconds: float | None = None
+        self.draft_costs: DraftCosts | None = None  # fitted at warm-up
+        # live draft steps' added seconds against what draft_costs predicted for them, both decayed sums: their
+        # ratio scales draft_costs, which fits the warm-up's layouts and contexts, to the live steps'
+        self.drafts_measured = 0.0
+        self.drafts_predicted = 0.0
 
     def observe(self, tokens: int, seconds: float, sequences: int = 1) -> None:
         """One step of `tokens` tokens in `sequences` sequences took `seconds` (its model execution, not
@@ -237,6 +257,31 @@ class StepTimes:
             self.change_seconds = excess
         else:
             self.change_seconds += self.ALPHA * (excess - self.change_seconds)
+
+    def observe_drafts(self, tokens: int, seconds: float, sequences: int, drafts: Sequence[tuple[int, int]]) -> None:
+        """A step of decoding sequences only, of an unchanged and unpadded shape, some of them with drafts
+        ((drafts, context) of each), took `seconds`: what the drafts added beyond the same step without them
+        (the table's) is weighed against what draft_costs predicted (draft_scale)."""
+        base = self.predict(tokens - sum(k for k, _ in drafts), sequences)
+        if self.draft_costs is None or base is None or sequences < 2 or not drafts:
+            return
+        predicted = sum(self.draft_costs.of(k, context) for k, context in drafts)
+        measured = min(max(seconds - base, 0.0), self.CLIP * predicted * self.MAX_DRAFT_SCALE)
+        if self.drafts_predicted <= 0:  # the fit counts as one step at first: one noisy step moves the scale little
+            self.drafts_measured = self.drafts_predicted = predicted
+        self.drafts_measured = (1 - self.ALPHA) * self.drafts_measured + self.ALPHA * measured
+        self.drafts_predicted = (1 - self.ALPHA) * self.drafts_predicted + self.ALPHA * predicted
+
+    @property
+    def draft_scale(self) -> float:
+        """Live draft steps' added time over what draft_costs predicted for them, within [1/MAX_DRAFT_SCALE,
+        MAX_DRAFT_SCALE]; 1 before any. Measured: the fit put one request's 4 drafts at 2.9 ms where they
+        added 1.9 (the warm-up's layouts give each drafting sequence of 8 its share, and the kernels charge
+        the first less than the eighth)."""
+        if self.drafts_predicted <= 0:
+            return 1.0
+        ratio = self.drafts_measured / self.drafts_predicted
+        return min(max(ratio, 1 / self.MAX_DRAFT_SCALE), self.MAX_DRAFT_SCALE)
 
     def change_cost(self, tokens: int, sequences: int = 1) -> float:
         """What a change of shape adds to a step, in cost()'s units: measured, or before that, a quarter
@@ -284,15 +329,18 @@ class StepTimes:
         f = self.prior_overhead
         return self.seconds[(1, nearest)] * (f + tokens) / (f + nearest)
 
-    def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1) -> float:
-        """What num_drafts drafts for one decoding sequence add to a step of `tokens` tokens in `sequences`
-        sequences: the one-sequence curve's difference, or before it is measured, the prior line's slope in
-        the step's own units."""
+    def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> float:
+        """What num_drafts drafts for one decoding sequence, `context` tokens long, add to a step of `tokens`
+        tokens in `sequences` sequences: beside other sequences, the fitted DraftCosts; alone (or before they
+        are fitted), the one-sequence curve's difference, whose entries the live steps of a lone request keep
+        up to date; before that is measured, the prior line's slope in the step's own units."""
         if not num_drafts:
             return 0.0
+        if sequences > 1 and self.draft_costs is not None:
+            return self.draft_costs.of(num_drafts, context) * self.draft_scale
         if self._one_sequence(1) is None:
             return self.cost(tokens + num_drafts, sequences) - self.cost(tokens, sequences)
-        return self.cost(1 + num_drafts) - self.cost(1)
+        return max(self.cost(1 + num_drafts) - self.cost(1), 0.0)
 
     def cost(self, tokens: int, sequences: int = 1) -> float:
         """A step's cost, in seconds once a step was measured, before that along the prior line: only
@@ -308,6 +356,33 @@ class StepTimes:
         if slope <= 0:
             return 64.0
         return min(max((self.cost(1) - slope) / slope, 1.0), 64.0)
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """What a decoding sequence's k drafts add to a step of several sequences, in seconds: per_draft for each
+    draft (the matmuls' rows), and per_sequence plus per_context_token for each token of its context, for
+    running it as a many-token query (the attention kernel's path for those reads the context again, at a cost
+    that a one-token row's path does not pay). Measured, SmolLM2 int8 on 2 cores, 8 sequences: one draft for
+    each of them added 4.6 ms at 8 tokens of context, 10.6 ms at 300 and 22.1 ms at 1000, while 10 drafts for
+    one of them added 2.9, 5.3 and 6.5 ms; the one-sequence curve, read as before, put all of these at about
+    1 ms a draft, whatever the context, and a step with drafts ran 25 ms where 18.5 were predicted."""
+
+    per_draft: float
+    per_sequence: float
+    per_context_token: float
+
+    def of(self, num_drafts: int, context: int) -> float:
+        return self.per_draft * num_drafts + self.per_sequence + self.per_context_token * context
+
+    @staticmethod
+    def fit(samples: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> DraftCosts:
+        """Least squares over steps given as ((drafts, context) of each sequence with drafts, the seconds they
+        added to the same step without them); a coefficient the fit makes negative counts as 0."""
+        rows = [[sum(k for k, _ in seqs), len(seqs), sum(c for _, c in seqs)] for seqs, _ in samples]
+        solution = np.linalg.lstsq(np.array(rows, dtype=float), np.array([e for _, e in samples]), rcond=None)[0]
+        per_draft, per_sequence, per_context_token = (max(float(x), 0.0) for x in solution)
+        return DraftCosts(per_draft, per_sequence, per_context_token)
 
 
 def accept_greedy(drafts: Sequence[int], model_tokens: Sequence[int]) -> list[int]:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import queue
+import statistics
 import threading
 import time
 from collections import deque
@@ -29,7 +30,7 @@ from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
-from service.core.speculative import StepTimes
+from service.core.speculative import DraftCosts, StepTimes
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
 from service.core.step_shape import ShapeKeeper, StepShape
 from service.engine.disk_store import DiskStore
@@ -150,6 +151,15 @@ class EngineCore:
                 ", ".join(f"{n}: {1000 * self.step_times.seconds[(1, n)]:.1f}" for n in self.step_times.sizes[1]),
                 1000 * (self.step_times.change_seconds or 0.0),
             )
+            if self.step_times.draft_costs is not None:
+                costs = self.step_times.draft_costs
+                log.info(
+                    "speculative decoding: beside other sequences, a sequence's drafts add %.2f ms each, plus "
+                    "%.2f ms and %.2f ms per 1000 tokens of its context",
+                    1000 * costs.per_draft,
+                    1000 * costs.per_sequence,
+                    1e6 * costs.per_context_token,
+                )
         if self.disk_tier is not None:
             self.disk_tier.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -177,6 +187,45 @@ class EngineCore:
             start = time.perf_counter()
             self.runner.execute(verify_inputs([0] * n, 8, blocks, self.runner.one_copy_for_all_steps))
             self.step_times.observe_change(n, time.perf_counter() - start)
+        self._measure_draft_costs()
+
+    def _measure_draft_costs(self, repeats: int = 3) -> None:
+        """Fit DraftCosts: steps of S decoding sequences, some of them with drafts, against the same step
+        without drafts, at a short context and a long one (S: as many as speculate together at most). Each
+        layout runs repeats times after one unmeasured step; the median counts."""
+        k = self.config.speculative_tokens
+        s = min(8, self.config.speculative_max_seqs, self.config.max_num_seqs)
+        block_size = self.runner.block_size
+        long_context = min(1024, self.max_model_len - k - 2, (self.runner.num_blocks // max(s, 1)) * block_size - k - 1)
+        if s < 2 or long_context < 64:
+            return
+        tables = [list(range(i * self.runner.num_blocks // s, (i + 1) * self.runner.num_blocks // s)) for i in range(s)]
+        layouts = [(0, 0), (1, k), (s, 1), (s // 2, max(1, k // 2)), (s, 2)]  # (sequences with drafts, drafts each)
+        samples = []
+        for context in (8, long_context):
+            seconds = {}
+            for drafting, num_drafts in layouts:
+                inputs = [
+                    row
+                    for i, table in enumerate(tables)
+                    for row in verify_inputs(
+                        [0] * (1 + (num_drafts if i < drafting else 0)),
+                        context,
+                        table,
+                        self.runner.one_copy_for_all_steps,
+                    )
+                ]
+                times = []
+                for i in range(repeats + 1):
+                    start = time.perf_counter()
+                    self.runner.execute(inputs)
+                    if i:
+                        times.append(time.perf_counter() - start)
+                seconds[(drafting, num_drafts)] = statistics.median(times)
+            for drafting, num_drafts in layouts[1:]:
+                added = seconds[(drafting, num_drafts)] - seconds[(0, 0)]
+                samples.append(([(num_drafts, context)] * drafting, added))
+        self.step_times.draft_costs = DraftCosts.fit(samples)
 
     def stop(self) -> None:
         """Fail what is left with UNAVAILABLE and end the thread."""
@@ -324,6 +373,9 @@ class EngineCore:
             self.step_times.observe_change(shape.tokens, seconds, sequences)
         else:
             self.step_times.observe(shape.tokens, seconds, sequences)
+            if shape == needed and all(c.num_tokens == 1 + len(c.drafts) for c in plan.chunks):
+                drafts = [(len(c.drafts), c.start) for c in plan.chunks if c.drafts]
+                self.step_times.observe_drafts(shape.tokens, seconds, sequences, drafts)
         by_id = {}
         if pending is not None:
             by_id = pending.result()
