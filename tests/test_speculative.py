@@ -301,8 +301,16 @@ class Oracle:
         return []
 
 
+@pytest.fixture
+def every_draft(monkeypatch):
+    """Every speculating request gets all the drafts it may have. The cost rule reads the machine's step times,
+    and on the tiny models (steps of a few ms, on a CI machine busy with other tests) it sometimes found
+    drafts too dear and offered none; these tests are about what drafts do, not about when they pay."""
+    monkeypatch.setattr(scheduler_module, "choose_drafts", lambda cost, requests: [limit for _, limit, _ in requests])
+
+
 @pytest.mark.parametrize("rows", ["one-token rows", "one sequence"])
-def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, rows, monkeypatch):
+def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, rows, monkeypatch, every_draft):
     """Uncompressed weights and an f16 cache: a k+1-token verify step must reproduce one-token decoding, its
     drafts fed as one-token rows (one compiled copy) or as one sequence (with auto's bf16 copy)."""
     if rows == "one sequence":
@@ -345,13 +353,11 @@ def test_drafts_rows_are_computed_as_decode_steps_compute_them(tiny_qwen3_ir):
     assert not np.array_equal(one_sequence, decoded)
 
 
-def test_speculation_on_int8_weights_gives_the_greedy_tokens_and_logprobs_of_a_batch(tiny_qwen3_ir, monkeypatch):
+def test_speculation_on_int8_weights_gives_the_greedy_tokens_and_logprobs_of_a_batch(tiny_qwen3_ir, every_draft):
     """int8 weights, u8 cache: requests decoding together (steps of several sequences) get with drafts the
     tokens and the very log-probabilities they get without, since verify rows are decode rows. Same-length
     prompts: the oracle's drafts are kept and rejected in step, so the requests stay together to the end.
-    Every request gets all the drafts it may have: the cost rule reads the machine's step times, which on the
-    tiny int8 model sometimes made drafts look too dear, and this test is about what verify rows compute."""
-    monkeypatch.setattr(scheduler_module, "choose_drafts", lambda cost, requests: [limit for _, limit, _ in requests])
+    Every request gets all the drafts it may have (every_draft): this test is about what verify rows compute."""
     prompts = [TEXT[:20], TEXT[20:40], TEXT[40:]]  # one prefill step of 60 tokens
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=1)] * 3
     plain, _ = outputs(tiny_qwen3_ir, prompts, 0, params, kv_cache_precision="u8")
@@ -362,7 +368,7 @@ def test_speculation_on_int8_weights_gives_the_greedy_tokens_and_logprobs_of_a_b
     assert fast == plain
 
 
-def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwen3_fp16_ir):
+def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwen3_fp16_ir, every_draft):
     """Each verified position applies the penalties and the eos mask as if the drafts before it were generated,
     and reports the logprob the plain sampler would."""
     params = [
@@ -380,9 +386,9 @@ def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwe
     assert stats.num_accepted_tokens > 0, stats
 
 
-def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir):
-    """Speculation on: the same seeded request alone and beside others (which changes how many drafts it is
-    offered, and when) gives one reply; and since verification draws once per emitted token, the reply is
+def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir, every_draft):
+    """Speculation on: the same seeded request alone and beside others (which changes its steps' shapes and
+    what shares them) gives one reply; and since verification draws once per emitted token, the reply is
     the one plain decoding gives."""
     seeded = SamplingParams(
         max_new_tokens=40, temperature=0.1, presence_penalty=0.2, seed=77, ignore_eos=True, logprobs=2
@@ -626,7 +632,7 @@ def test_prompt_lookup_matches_no_suffix_shorter_than_min_ngram():
     assert PromptLookup(max_ngram=3, min_ngram=2).propose(tokens, 2) == []
 
 
-def test_off_requests_on_a_real_server_verify_no_drafts(tiny_qwen3_fp16_ir):
+def test_off_requests_on_a_real_server_verify_no_drafts(tiny_qwen3_fp16_ir, every_draft):
     """One server with auto by default: the same prompt accepts drafts with the default and with auto, none
     with off (over gRPC and HTTP), and the tokens are the same (uncompressed weights, f16 cache)."""
     spec = {"speculation": "auto", "speculative_tokens": 4}
@@ -661,7 +667,7 @@ def test_off_requests_on_a_real_server_verify_no_drafts(tiny_qwen3_fp16_ir):
         running.stop()
 
 
-def test_a_request_may_opt_in_when_the_server_default_is_off(tiny_qwen3_fp16_ir):
+def test_a_request_may_opt_in_when_the_server_default_is_off(tiny_qwen3_fp16_ir, every_draft):
     auto = SamplingParams(max_new_tokens=40, ignore_eos=True, speculation="auto")
     plain = SamplingParams(max_new_tokens=40, ignore_eos=True)
     prompt = [5, 6, 7, 8] * 10
