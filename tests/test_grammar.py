@@ -17,6 +17,7 @@ from service.core.params import SamplingParams
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler
+from service.core.speculative import Guess
 from service.core.stop import stop_reason
 from service.errors import InvalidArgument
 
@@ -195,7 +196,7 @@ class FixedProposer:
         self.tokens = tokens
 
     def propose(self, token_ids, k):
-        return self.tokens[:k]
+        return Guess(tuple(self.tokens[:k]))
 
 
 def test_the_scheduler_offers_only_drafts_the_grammar_admits(qwen, tiny_qwen3_ir):

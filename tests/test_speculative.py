@@ -24,6 +24,8 @@ from service.core.speculative import (
     PRIOR_ACCEPTANCE,
     DraftCosts,
     DraftStats,
+    Guess,
+    GuessRecord,
     PromptLookup,
     StepCost,
     StepTimes,
@@ -43,11 +45,22 @@ BS = 4
 def test_prompt_lookup_continues_the_latest_match_of_the_longest_suffix():
     lookup = PromptLookup(max_ngram=3)
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 1, 2, 3, 4]
-    assert lookup.propose(tokens, 2) == [6, 7]  # [2, 3, 4] last seen before 6, 7
-    assert lookup.propose([5, 6, 7, 8, 6], 3) == [7, 8, 6]  # only a 1-gram matches
-    assert lookup.propose([1, 2, 3], 4) == []  # nothing repeats
-    assert lookup.propose([7, 7], 5) == [7]  # the continuation may be short
-    assert lookup.propose([4], 2) == []
+    assert lookup.propose(tokens, 2).tokens == (6, 7)  # [2, 3, 4] last seen before 6, 7
+    assert lookup.propose([5, 6, 7, 8, 6], 3).tokens == (7, 8, 6)  # only a 1-gram matches
+    assert lookup.propose([1, 2, 3], 4) == Guess()  # nothing repeats
+    assert lookup.propose([7, 7], 5).tokens == (7,)  # the continuation may be short
+    assert lookup.propose([4], 2) == Guess()
+
+
+def test_a_guess_is_of_the_kind_of_its_match_length():
+    lookup = PromptLookup(max_ngram=3)
+    passage = list(range(100, 120))
+    assert lookup.propose([5, 6, 7, 8, 6], 3).kind == 1  # a 1-token match
+    assert lookup.propose([1, 2, 3, 9, 2, 3], 1).kind == 2  # 2 tokens
+    assert lookup.propose([1, 2, 3, 4, 5, 9, 2, 3, 4, 5], 1).kind == 3  # [2, 3, 4, 5]: 4 tokens, beyond the 3-gram
+    copying = passage + [0] + passage[:9]  # a reply copying the passage: the match is 9 tokens long
+    assert lookup.propose(copying, 4) == Guess((109, 110, 111, 112), 4)
+    assert lookup.propose(passage + [0] + passage[:18], 1).kind == 5  # measured up to 16 tokens
 
 
 def test_accept_greedy_keeps_the_agreeing_run_and_the_models_token():
@@ -297,8 +310,8 @@ class Oracle:
         n = len(token_ids)
         for sequence in self.sequences:
             if sequence[:n] == list(token_ids):
-                return [t if (n + i) % self.WRONG else t ^ 1 for i, t in enumerate(sequence[n : n + k])]
-        return []
+                return Guess(tuple(t if (n + i) % self.WRONG else t ^ 1 for i, t in enumerate(sequence[n : n + k])))
+        return Guess()
 
 
 @pytest.fixture
@@ -414,17 +427,40 @@ def runs_of(*runs: int) -> DraftStats:
 
 def test_a_guess_is_judged_once_the_reply_leaves_it_or_matches_all_of_it():
     stats = DraftStats()
-    stats.watch(3, [5, 6, 7])
-    stats.watch(4, [9])  # one guess at a time: ignored
-    stats.settle([0, 0, 0, 5, 6])  # agrees so far: not known yet
-    assert stats.watched == (3, (5, 6, 7)) and stats.runs == []
-    stats.settle([0, 0, 0, 5, 6, 8])  # the reply left it after two
-    assert stats.watched is None and stats.runs == [0.0, 0.0, 1.0]
-    stats.watch(6, [1, 2, 3])
-    stats.settle([0, 0, 0, 5, 6, 8, 1, 2, 3])  # all of it matched
-    assert stats.watched is None and stats.runs == pytest.approx([0.0, 0.0, 0.7, 1.0])
-    stats.watch(9, [])  # no guess at all earns nothing
-    assert stats.runs[0] == 1.0 and stats.watched is None
+    stats.watch(3, Guess((5, 6, 7), kind=3))
+    stats.watch(4, Guess((9,), kind=1))  # one guess at a time: ignored, but drafts are judged by it now
+    assert stats.latest == Guess((9,), kind=1) and stats.expected_tokens(3) == stats.expected_tokens(1)
+    assert stats.settle([0, 0, 0, 5, 6]) is None  # agrees so far: not known yet
+    assert stats.watched == (3, Guess((5, 6, 7), 3)) and stats.by_kind == {}
+    assert stats.settle([0, 0, 0, 5, 6, 8]) == (3, 2)  # the reply left it after two: a run of its guess's kind
+    assert stats.watched is None and stats.by_kind[3].counts == [0.0, 0.0, 1.0]
+    stats.watch(6, Guess((1, 2, 3), kind=3))
+    assert stats.settle([0, 0, 0, 5, 6, 8, 1, 2, 3]) == (3, 3)  # all of it matched
+    assert stats.by_kind[3].counts == pytest.approx([0.0, 0.0, 0.7, 1.0])
+    stats.watch(9, Guess())  # no guess at all: nothing to judge, and no drafts for it
+    assert stats.watched is None and list(stats.by_kind) == [3]
+
+
+def test_drafts_are_judged_by_their_guess_kind_from_what_all_requests_earned_then_their_own():
+    everyone = GuessRecord()
+    for _ in range(50):
+        everyone.record(5, 10)  # guesses from long matches kept all ten drafts
+        everyone.record(1, 0)  # those from 1-token matches none
+    stats = DraftStats(everyone)
+    stats.watch(0, Guess(tuple(range(10)), kind=5))
+    assert stats.expected_tokens(10) > 10  # a new request's long match: what long matches earned
+    stats.watch(0, Guess(tuple(range(10)), kind=1))
+    assert stats.expected_tokens(10) < 1.1
+    for _ in range(6):
+        stats.record(0, kind=5)  # this request's long matches miss: its own runs soon outweigh everyone's
+    stats.watch(0, Guess(tuple(range(10)), kind=5))
+    assert stats.expected_tokens(10) < 1.5
+    s = scheduler(k=4)
+    r = decoding(s, [1, 2, 3, 4, 1, 2, 3])  # first token 4: lookup guesses 1, 2, 3 (a 4-token match)
+    plan = s.schedule()
+    assert r.draft_stats.record_of_all is s.guess_record and plan.chunks[0].drafts[:3] == (1, 2, 3)
+    s.update(plan, [[1, 2, 9]])  # the reply left the guess after two
+    assert s.guess_record.by_kind[3].counts == pytest.approx([0.0, 0.0, 1.0])
 
 
 def test_expected_tokens_follow_the_recorded_runs():
@@ -549,17 +585,22 @@ def test_a_request_whose_guesses_miss_loses_its_drafts_and_gets_them_back_when_i
     for _ in range(10):  # the reply copies its prompt again: the guesses watched without drafts see it
         plan = s.schedule()
         drafts = plan.chunks[0].drafts
-        s.update(plan, [[*drafts, *(s.proposer.propose(r.all_token_ids + list(drafts), 1) or [1])]])
+        s.update(plan, [[*drafts, *(s.proposer.propose(r.all_token_ids + list(drafts), 1).tokens or [1])]])
     assert len(s.schedule().chunks[0].drafts) == 4
 
 
-def test_a_short_guess_is_padded_to_the_chosen_number_of_drafts():
+def test_a_short_guess_is_padded_to_the_number_of_drafts_its_step_keeps():
+    fresh = scheduler(k=5)
+    decoding(fresh, [1, 2, 3, 4, 5, 6, 7])  # first token 4: lookup has only 5, 6, 7, 4 after it
+    assert fresh.schedule().chunks[0].drafts == (5, 6, 7, 4)  # a fifth draft could never be kept: not chosen
     s = scheduler(k=5)
-    decoding(s, [1, 2, 3, 4, 5, 6, 7])  # first token 4: lookup has only 5, 6, 7, 4 after it
-    assert s.schedule().chunks[0].drafts == (5, 6, 7, 4, 4)  # a step of the shape it chose
+    r = decoding(s, [1, 2, 3, 4, 5, 6, 7])
+    r.draft_stats.num_drafts = 5  # its steps had five: a change of shape would cost more than a draft
+    assert s.schedule().chunks[0].drafts == (5, 6, 7, 4, 4)  # a step of the shape it keeps
     constrained = scheduler(k=5)
     r = decoding(constrained, [1, 2, 3, 4, 5, 6, 7])
     r.matcher = type("AnyToken", (), {"num_valid": staticmethod(len)})()  # a grammar that allows all
+    r.draft_stats.num_drafts = 5
     assert constrained.schedule().chunks[0].drafts == (5, 6, 7, 4)  # never padded past what a grammar checked
 
 
@@ -628,8 +669,8 @@ def test_speculation_flags(monkeypatch):
 
 def test_prompt_lookup_matches_no_suffix_shorter_than_min_ngram():
     tokens = [5, 6, 7, 8, 6]  # only the 1-gram [6] recurs
-    assert PromptLookup(max_ngram=3, min_ngram=1).propose(tokens, 2) == [7, 8]
-    assert PromptLookup(max_ngram=3, min_ngram=2).propose(tokens, 2) == []
+    assert PromptLookup(max_ngram=3, min_ngram=1).propose(tokens, 2).tokens == (7, 8)
+    assert PromptLookup(max_ngram=3, min_ngram=2).propose(tokens, 2) == Guess()
 
 
 def test_off_requests_on_a_real_server_verify_no_drafts(tiny_qwen3_fp16_ir, every_draft):

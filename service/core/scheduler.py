@@ -30,7 +30,15 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-from service.core.speculative import PromptLookup, Proposer, StepCost, StepTimes, choose_drafts
+from service.core.speculative import (
+    DraftStats,
+    GuessRecord,
+    PromptLookup,
+    Proposer,
+    StepCost,
+    StepTimes,
+    choose_drafts,
+)
 from service.core.stop import stop_reason
 
 
@@ -114,6 +122,7 @@ class Scheduler:
         self.speculative_max_seqs = config.speculative_max_seqs
         self.speculation = config.speculation  # for requests that do not choose
         self.proposer = proposer or PromptLookup(config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram)
+        self.guess_record = GuessRecord()  # what guesses of each kind earned across requests: their prior
         # a step's fixed cost in units of one token's work: the engine feeds it the times of its steps
         self.step_times = step_times or StepTimes()
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -135,6 +144,7 @@ class Scheduler:
         if request.id in self.requests:
             raise ValueError(f"request id {request.id} is already in the scheduler")
         self.requests[request.id] = request
+        request.draft_stats = DraftStats(self.guess_record)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -204,8 +214,9 @@ class Scheduler:
                 self.kv.trim(request.id, request.num_tokens)
             else:
                 request.num_computed_tokens += chunk.num_tokens
-            if chunk.sample:
-                request.draft_stats.settle(request.all_token_ids)
+            settled = request.draft_stats.settle(request.all_token_ids) if chunk.sample else None
+            if settled is not None:
+                self.guess_record.record(*settled)
             self.kv.cache_full_blocks(
                 request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
             )
@@ -231,7 +242,7 @@ class Scheduler:
         self._drop_expired(plan)
         budget = self.max_num_batched_tokens
         speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
-        num_drafts = self._plan_drafts(budget) if speculate else {}
+        chosen_drafts = self._plan_drafts(budget) if speculate else {}
         for request in list(self.running):
             if budget == 0:
                 break
@@ -240,8 +251,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, plan):
                 continue
-            k = num_drafts.get(request.id)
-            drafts = self._drafts(request, min(k, budget - num_new)) if k is not None and num_new == 1 else ()
+            drafts = chosen_drafts.get(request.id, ())[: budget - num_new] if num_new == 1 else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running
             # request its block to grow into
             target = request.num_computed_tokens + num_new + len(drafts)
@@ -349,11 +359,12 @@ class Scheduler:
     def _speculates(self, request: Request) -> bool:
         return (request.params.speculation or self.speculation) == "auto"
 
-    def _plan_drafts(self, budget: int) -> dict[int, int]:
-        """Drafts per decoding request that speculates, by request id: the numbers that raise the step's
-        tokens per second given what their guesses earned lately, within their token limits."""
+    def _plan_drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
+        """Drafts for each decoding request that speculates, by request id: the number that raises the step's
+        tokens per second given its latest guess (its kind and length) and what guesses of that kind earned
+        lately, within its token limits. The guess is made first, so that the number is chosen knowing it."""
         cost = self._step_cost(budget)
-        candidates: list[tuple[Request, int]] = []
+        candidates: list[tuple[Request, int, tuple[int, ...]]] = []
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1 or not self._speculates(request):
                 continue
@@ -363,24 +374,26 @@ class Scheduler:
                 self.max_model_len - request.num_tokens - 1,
             )
             if limit > 0:
-                candidates.append((request, limit))
-        chosen = choose_drafts(cost, [(r.draft_stats, limit, r.num_tokens) for r, limit in candidates])
-        return {r.id: k for (r, _), k in zip(candidates, chosen, strict=True)}
+                candidates.append((request, limit, self._guess(request)))
+        chosen = choose_drafts(cost, [(r.draft_stats, limit, r.num_tokens) for r, limit, _ in candidates])
+        return {r.id: self._drafts(r, guess, k) for (r, _, guess), k in zip(candidates, chosen, strict=True)}
 
-    def _drafts(self, request: Request, k: int) -> tuple[int, ...]:
-        """k draft tokens for a decoding request (fewer for a grammar-constrained one). The proposer's guess
-        is also watched (DraftStats), so guesses are judged while the request gets no drafts."""
-        stats = request.draft_stats
-        if not k and stats.watched is not None:
-            return ()
-        guess = tuple(self.proposer.propose(request.all_token_ids, self.speculative_tokens))
-        stats.watch(request.num_tokens, guess)
+    def _guess(self, request: Request) -> tuple[int, ...]:
+        """The proposer's guess of a decoding request's next tokens. It is also watched (DraftStats): guesses
+        are judged while the request gets no drafts, so it gets them again as soon as its reply copies."""
+        guess = self.proposer.propose(request.all_token_ids, self.speculative_tokens)
+        request.draft_stats.watch(request.num_tokens, guess)
+        return guess.tokens
+
+    @staticmethod
+    def _drafts(request: Request, guess: tuple[int, ...], k: int) -> tuple[int, ...]:
+        """k drafts from a guess (fewer for a grammar-constrained request: a draft the grammar forbids could
+        never be kept). A guess shorter than k is padded with its last token: a step of the shape chosen runs
+        faster than a smaller one of a new shape, and a padding token is kept when it happens to be right."""
         drafts = guess[:k]
-        if request.matcher is not None:  # a draft the grammar forbids could never be kept
-            drafts = drafts[: request.matcher.num_valid(drafts)]
-        elif len(drafts) < k:
-            # a short guess is padded to the chosen number: a step of the same shape as the last runs
-            # faster than a smaller one of a new shape, and a padding token is kept when it happens to be right
+        if request.matcher is not None:
+            return drafts[: request.matcher.num_valid(drafts)] if drafts else ()
+        if k and len(drafts) < k:
             drafts += (drafts or (request.all_token_ids[-1],))[-1:] * (k - len(drafts))
         return drafts
 
