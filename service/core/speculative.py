@@ -293,13 +293,6 @@ class StepTimes:
     ALPHA = 0.1  # about the last ten steps of an entry count
     CLIP = 1.5
     MAX_DRAFT_SCALE = 2.0
-    # Drafts beside other sequences cost more than the steps draft_scale learns from say: those are the
-    # steps of unchanged and unpadded shape, while drafts coming and going also cause steps of a new shape
-    # and padded ones. Measured (SmolLM2, writing at 4 streams): draft steps took 19% longer than predicted,
-    # what their drafts added about 1.6 times the prediction; charging 1.5 times the prediction gave, same
-    # run against 1 time, writing at 8 streams 0.99x plain decoding against 0.94x (3 rounds) and edits at 8
-    # streams 1.22x against 1.21x (fewer drafts, 71% kept against 64%).
-    DRAFT_UPKEEP = 1.5
 
     def __init__(self, overhead: float = 8.0, max_tokens: int = 64) -> None:
         self.prior_overhead = overhead
@@ -346,9 +339,12 @@ class StepTimes:
             self.change_seconds += self.ALPHA * (excess - self.change_seconds)
 
     def observe_drafts(self, tokens: int, seconds: float, sequences: int, drafts: Sequence[tuple[int, int]]) -> None:
-        """A step of decoding sequences only, of an unchanged and unpadded shape, some of them with drafts
-        ((drafts, context) of each), took `seconds`: what the drafts added beyond the same step without them
-        (the table's) is weighed against what draft_costs predicted (draft_scale)."""
+        """A step of `sequences` decoding sequences only and `tokens` tokens, some of them with drafts ((drafts,
+        context) of each), took `seconds`: what the drafts added beyond the same step without them (the table's
+        steady step) is weighed against what draft_costs predicted (draft_scale). The step may have changed
+        shape or run padded: drafts coming and going cause both (on writing at 4 streams a step changed shape
+        every 3-5 steps, 9.5 ms each on a 17 ms step), and charged only what their rows add in a steady step,
+        draft steps took 19% longer than predicted."""
         base = self.predict(tokens - sum(k for k, _ in drafts), sequences)
         if self.draft_costs is None or base is None or sequences < 2 or not drafts:
             return
@@ -419,13 +415,13 @@ class StepTimes:
     def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> float:
         """What num_drafts drafts for one decoding sequence, `context` tokens long, add to a step of `tokens`
         tokens in `sequences` sequences: beside other sequences, the fitted DraftCosts, scaled by the live
-        steps and by DRAFT_UPKEEP; alone (or before they are fitted), the one-sequence curve's difference,
+        steps (draft_scale); alone (or before they are fitted), the one-sequence curve's difference,
         whose entries the live steps of a lone request keep up to date; before that is measured, the prior
         line's slope in the step's own units."""
         if not num_drafts:
             return 0.0
         if sequences > 1 and self.draft_costs is not None:
-            return self.draft_costs.of(num_drafts, context) * self.draft_scale * self.DRAFT_UPKEEP
+            return self.draft_costs.of(num_drafts, context) * self.draft_scale
         if self._one_sequence(1) is None:
             return self.cost(tokens + num_drafts, sequences) - self.cost(tokens, sequences)
         return max(self.cost(1 + num_drafts) - self.cost(1), 0.0)

@@ -373,9 +373,12 @@ class EngineCore:
             self.step_times.observe_change(shape.tokens, seconds, sequences)
         else:
             self.step_times.observe(shape.tokens, seconds, sequences)
-            if shape == needed and all(c.num_tokens == 1 + len(c.drafts) for c in plan.chunks):
-                drafts = [(len(c.drafts), c.start) for c in plan.chunks if c.drafts]
-                self.step_times.observe_drafts(shape.tokens, seconds, sequences, drafts)
+        if all(c.num_tokens == 1 + len(c.drafts) for c in plan.chunks):
+            # every step of decoding requests with drafts, changed and padded ones too: what drafts cost includes
+            # the changes of shape and the padding that their coming and going causes
+            drafts = [(len(c.drafts), c.start) for c in plan.chunks if c.drafts]
+            num_tokens = sum(c.num_tokens for c in plan.chunks)
+            self.step_times.observe_drafts(num_tokens, seconds, len(plan.chunks), drafts)
         by_id = {}
         if pending is not None:
             by_id = pending.result()
