@@ -75,10 +75,10 @@ bench-memory: $(STAMP) $(MODEL)/manifest.json
 		--variant capped --variant plugin-defaults:OVSERVE_KERNEL_CACHE_SHAPES=5000,ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024
 
 # Speculative decoding (prompt lookup) at 1 to 32 streams: ovserve and genai, each with and without, interleaved.
-# The Qwen3-4B shape's cost curve (step time against tokens per step), opt-in: make bench-speculative-4b
+# The Qwen3-4B shape's cost curve (step time against tokens per step), opt-in: make bench-speculative-4b.
+# The second run is one stream with each prompt its own round: the median over prompt runs.
 bench-speculative: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8,32 --out bench/results-speculative/results.json
-	# one stream, each prompt its own round: the median over prompt runs
 	$(PY) -m bench.speculative $(MODEL) --streams 1 --requests-per-stream 1 --rounds 16 --out bench/results-speculative/per-prompt-1.json
 
 bench-speculative-4b: $(STAMP)

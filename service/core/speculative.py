@@ -345,8 +345,10 @@ class StepTimes:
         shape or run padded: drafts coming and going cause both (on writing at 4 streams a step changed shape
         every 3-5 steps, 9.5 ms each on a 17 ms step), and charged only what their rows add in a steady step,
         draft steps took 19% longer than predicted."""
+        if self.draft_costs is None or sequences < 2 or not drafts:  # the engine calls this for plain steps too
+            return
         base = self.predict(tokens - sum(k for k, _ in drafts), sequences)
-        if self.draft_costs is None or base is None or sequences < 2 or not drafts:
+        if base is None:
             return
         predicted = sum(self.draft_costs.of(k, context) for k, context in drafts)
         measured = min(max(seconds - base, 0.0), self.CLIP * predicted * self.MAX_DRAFT_SCALE)
