@@ -3,6 +3,7 @@ model; then on a real model, greedy output with speculation equals greedy output
 
 import asyncio
 import itertools
+import random
 
 import httpx
 import numpy as np
@@ -50,6 +51,27 @@ def test_prompt_lookup_continues_the_latest_match_of_the_longest_suffix():
     assert lookup.propose([1, 2, 3], 4) == Guess()  # nothing repeats
     assert lookup.propose([7, 7], 5).tokens == (7,)  # the continuation may be short
     assert lookup.propose([4], 2) == Guess()
+
+
+def test_prompt_lookup_finds_what_a_scan_of_the_tokens_finds():
+    """The lookup searches the tokens as bytes: a match must start at a token, however the bytes of other
+    tokens line up (ids chosen so that they often do)."""
+
+    def scan(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, ...]:
+        end = len(tokens)
+        for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
+            for start in range(end - n - 1, -1, -1):
+                if tokens[start : start + n] == tokens[end - n :]:
+                    return tuple(tokens[start + n : start + n + k])
+        return ()
+
+    rng = random.Random(7)
+    alphabet = [1, 257, 0x01010101, 0x00000101, 0x01010000, 151_642]
+    for _ in range(2000):
+        tokens = [rng.choice(alphabet) for _ in range(rng.randrange(1, 60))]
+        for max_ngram, min_ngram in ((3, 1), (4, 2), (1, 1)):
+            guess = PromptLookup(max_ngram, min_ngram).propose(tokens, 5)
+            assert guess.tokens == scan(tokens, 5, max_ngram, min_ngram)
 
 
 def test_a_guess_is_of_the_kind_of_its_match_length():
@@ -480,20 +502,22 @@ def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
     """k drafts for a request whose steps yield E(k) tokens raise the step's rate from produced / (F + T) to
     (produced + E(k) - 1) / (F + T + k): the cost rule takes the k that maximizes it."""
     alone = StepCost(StepTimes(8), tokens=1, produced=1)
-    assert alone.best(runs_of(*[8] * 10), 5) == 5  # one stream copying its input: every draft pays
-    assert alone.best(runs_of(*[0] * 10), 5) == 0  # guesses that miss never pay
-    assert alone.best(runs_of(*[0, 1] * 10), 5) == 1  # runs of one: a second draft would never be kept
+    assert alone.best(alone.options(runs_of(*[8] * 10), 5)) == 5  # one stream copying its input: every draft pays
+    assert alone.best(alone.options(runs_of(*[0] * 10), 5)) == 0  # guesses that miss never pay
+    assert alone.best(alone.options(runs_of(*[0, 1] * 10), 5)) == 1  # runs of one: a second draft would never be kept
     crowd = StepCost(StepTimes(8), tokens=32, produced=32)  # 32 decoding requests: compute-bound
-    assert crowd.best(DraftStats(), 5) == 0
-    assert crowd.best(runs_of(*[0, 2] * 10), 5) == 0
-    assert crowd.best(runs_of(*[8] * 10), 5) == 5  # copying gains 3% here (the prior line: F = 8)...
+    assert crowd.best(crowd.options(DraftStats(), 5)) == 0
+    assert crowd.best(crowd.options(runs_of(*[0, 2] * 10), 5)) == 0
+    assert crowd.best(crowd.options(runs_of(*[8] * 10), 5)) == 5  # copying gains 3% here (the prior line: F = 8)...
     assert choose_drafts(crowd, [(runs_of(*[8] * 10), 5, 0)]) == [0]  # ...less than a change of shape is worth
     few = StepCost(StepTimes(8), tokens=8, produced=8)
-    assert few.best(runs_of(*[8] * 10), 5) == 5  # beside 7 others, a request that copies its input gains
+    assert few.best(few.options(runs_of(*[8] * 10), 5)) == 5  # beside 7 others, a request that copies its input gains
     beside_a_prompt = StepCost(StepTimes(8), tokens=200, produced=1)  # one decoding request beside a prompt chunk
-    assert beside_a_prompt.best(DraftStats(), 5) == 5  # the step is slow anyway: its few outputs are worth a lot
+    assert (
+        beside_a_prompt.best(beside_a_prompt.options(DraftStats(), 5)) == 5
+    )  # the step is slow anyway: its few outputs are worth a lot
     stats = runs_of(*[8] * 10)
-    crowd.add(5, stats)
+    crowd.add(5, crowd.options(stats, 5))
     assert (crowd.tokens + crowd.num_drafts, crowd.produced) == (37, pytest.approx(32 + stats.expected_tokens(5) - 1))
 
 
@@ -507,7 +531,7 @@ def test_drafts_cost_by_the_sequence_not_by_the_step():
     times.observe(8, 0.0201, sequences=8)
     step = StepCost(times, tokens=8, produced=8, sequences=8)
     for _ in range(8):
-        step.add(1, runs_of(*[0] * 10))
+        step.add(1, step.options(runs_of(*[0] * 10), 1))
     assert step.seconds == pytest.approx(0.0201 + 8 * (0.0146 - 0.0132))
     assert times.draft_cost(0) == 0 and times.draft_cost(5) == pytest.approx(0.0157 + (0.0173 - 0.0157) / 2 - 0.0132)
 
@@ -523,7 +547,7 @@ def test_a_request_keeps_its_number_of_drafts_unless_a_change_of_shape_pays():
     assert times.change_seconds == pytest.approx(0.005)
     cost = StepCost(times, tokens=1, produced=1)
     copying = runs_of(*[5] * 10)  # every guess kept whole
-    rates = [cost.rate(copying, k) for k in range(6)]
+    rates = [cost.rate(cost.options(copying, 5), k) for k in range(6)]
     assert max(range(6), key=rates.__getitem__) == 5 and rates[5] < 1.25 * rates[4]  # 5 drafts: 20% better than 4
     for kept in range(6):  # 4 steps at 20% faster save more than the 2 x 5 ms of changes: switch
         copying.num_drafts = kept
@@ -555,7 +579,7 @@ def test_the_whole_step_switches_or_none_of_it():
     for stats in missing:
         stats.num_drafts = 1  # what the prior gave them
     one = StepCost(times, tokens=8, produced=8, sequences=8)
-    one.add(1, missing[0])
+    one.add(1, one.options(missing[0], 1))
     alone_saves = 4 * one.seconds * (1 - (one.produced / one.seconds) / (8 / cost.seconds))
     assert alone_saves < times.change_seconds  # one request dropping its draft would not pay for a change
     assert choose_drafts(cost, [(stats, 5, 0) for stats in missing]) == [0] * 8  # all eight dropping theirs does
@@ -761,9 +785,9 @@ def test_step_times_of_several_sequences_add_the_one_sequence_curves_difference(
     assert times.predict(11, sequences=8) > times.predict(10, sequences=8)
     crowd = StepCost(times, tokens=8, produced=8, sequences=8)
     rarely = runs_of(*[0, 0, 0, 1] * 5)  # a draft kept a quarter of the time or so
-    assert crowd.best(rarely, 5) == 0  # beside 7 others: 5% more tokens, 7% dearer
+    assert crowd.best(crowd.options(rarely, 5)) == 0  # beside 7 others: 5% more tokens, 7% dearer
     alone = StepCost(times, tokens=1, produced=1)
-    assert alone.best(rarely, 5) == 1  # alone, the same draft is nearly free
+    assert alone.best(alone.options(rarely, 5)) == 1  # alone, the same draft is nearly free
 
 
 def test_one_wild_step_moves_the_estimate_little():
