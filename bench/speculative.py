@@ -99,12 +99,20 @@ def _tensor(ids: list[int]) -> Any:
     return ov.Tensor(np.asarray([ids], dtype=np.int64))
 
 
-def llm_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Serve:
+def _genai_properties(precision: str | None) -> dict[str, Any]:
+    """genai's plugin properties: the bench's thread count, and an activation precision if one is asked for
+    (f32 on both sides stands for a CPU without bf16, where the plugin's default is f32)."""
+    properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": workers.peer_threads(workers.BUDGET)}
+    if precision is not None:
+        properties["INFERENCE_PRECISION_HINT"] = precision
+    return properties
+
+
+def llm_pipeline(model: str, lookup: bool, k: int, ngram: int, precision: str | None = None) -> Serve:
     import numpy as np
     import openvino_genai as og
 
-    threads = workers.peer_threads(workers.BUDGET)
-    pipe = og.LLMPipeline(model, "CPU", prompt_lookup=lookup, INFERENCE_NUM_THREADS=threads)
+    pipe = og.LLMPipeline(model, "CPU", prompt_lookup=lookup, **_genai_properties(precision))
 
     def serve(prompts: list[list[int]], streams: int, max_new: int) -> list[list[int]]:
         assert streams == 1, "LLMPipeline serves one stream"
@@ -114,7 +122,7 @@ def llm_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Serve:
     return serve
 
 
-def cb_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Serve:
+def cb_pipeline(model: str, lookup: bool, k: int, ngram: int, precision: str | None = None) -> Serve:
     import openvino_genai as og
 
     b = workers.BUDGET
@@ -123,7 +131,7 @@ def cb_pipeline(model: str, lookup: bool, k: int, ngram: int) -> Serve:
     sc.max_num_seqs = b.max_num_seqs
     sc.max_num_batched_tokens = b.max_num_batched_tokens
     sc.enable_prefix_caching = False
-    properties: dict[str, Any] = {"INFERENCE_NUM_THREADS": workers.peer_threads(b)}
+    properties = _genai_properties(precision)
     if lookup:
         properties["prompt_lookup"] = True
     pipe = og.ContinuousBatchingPipeline(model, sc, "CPU", properties)
@@ -252,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--our-precision",
         choices=("f32", "bf16", "f16", "auto"),
-        help="ovserve's --inference-precision (default: its own default); genai's is always the plugin's",
+        help="ovserve's --inference-precision (default: its own default)",
+    )
+    p.add_argument(
+        "--genai-precision",
+        choices=("f32", "bf16", "f16"),
+        help="genai's INFERENCE_PRECISION_HINT (default: the plugin's, bf16 on CPUs with AVX512_BF16); f32 on "
+        "both sides stands for a CPU without bf16",
     )
     p.add_argument(
         "--our-max-seqs",
@@ -283,17 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, Serve] = {"ovserve": ours_serve(ours_plain), "ovserve+lookup": ours_serve(ours_lookup)}
     single: dict[str, Serve] = {}
     if not a.ours_only:
-        engines["genai-cb"] = cb_pipeline(a.model, False, a.k, a.ngram)
-        engines["genai-cb+lookup"] = cb_pipeline(a.model, True, a.k, a.ngram)
+        engines["genai-cb"] = cb_pipeline(a.model, False, a.k, a.ngram, a.genai_precision)
+        engines["genai-cb+lookup"] = cb_pipeline(a.model, True, a.k, a.ngram, a.genai_precision)
         if not a.no_llm_pipeline:
-            single["genai"] = llm_pipeline(a.model, False, a.k, a.ngram)
-            single["genai+lookup"] = llm_pipeline(a.model, True, a.k, a.ngram)
+            single["genai"] = llm_pipeline(a.model, False, a.k, a.ngram, a.genai_precision)
+            single["genai+lookup"] = llm_pipeline(a.model, True, a.k, a.ngram, a.genai_precision)
     result: dict[str, Any] = {
         "model": a.model,
         "k": a.k,
         "our_k": our_k,
         "our_precision": ours_plain.config.inference_precision,
         "our_max_seqs": ours_lookup.config.speculative_max_seqs,
+        "genai_precision": a.genai_precision or "the plugin's default",
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,
         "arrivals": a.arrivals,
