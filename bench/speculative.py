@@ -35,7 +35,7 @@ from statistics import median
 from typing import Any
 
 from bench import run, workers
-from service.core.config import EngineConfig
+from service.core.config import VERIFY_DRAFTS, EngineConfig
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {"edit": HERE / "prompts-edit.jsonl", "writing": HERE / "prompts.jsonl"}
@@ -44,7 +44,14 @@ WORKLOADS = {"edit": HERE / "prompts-edit.jsonl", "writing": HERE / "prompts.jso
 Serve = Callable[[list[list[int]], int, int], list[list[int]]]
 
 
-def ours(model: str, k: int, ngram: int, precision: str | None = None, max_seqs: int | None = None) -> Any:
+def ours(
+    model: str,
+    k: int,
+    ngram: int,
+    precision: str | None = None,
+    max_seqs: int | None = None,
+    verify_drafts: str | None = None,
+) -> Any:
     settings: dict[str, Any] = {
         "speculation": "auto" if k else "off",
         "speculative_tokens": k,
@@ -54,6 +61,8 @@ def ours(model: str, k: int, ngram: int, precision: str | None = None, max_seqs:
         settings["speculative_max_seqs"] = max_seqs
     if precision is not None:
         settings["inference_precision"] = precision
+    if verify_drafts is not None:
+        settings["verify_drafts"] = verify_drafts
     return workers.our_engine(
         {"model": model, "budget": workers.budget_dict(workers.BUDGET)}, prefix_caching=False, settings=settings
     )
@@ -263,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         help="ovserve's --inference-precision (default: its own default)",
     )
     p.add_argument(
+        "--our-verify-drafts",
+        choices=VERIFY_DRAFTS,
+        help="ovserve's --verify-drafts for the lookup side (default: its own default)",
+    )
+    p.add_argument(
         "--genai-precision",
         choices=("f32", "bf16", "f16"),
         help="genai's INFERENCE_PRECISION_HINT (default: the plugin's, bf16 on CPUs with AVX512_BF16); f32 on "
@@ -293,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     our_k = EngineConfig().speculative_tokens if a.our_k is None else a.our_k
     per_stream = a.requests_per_stream if a.arrivals == "closed" else 1
     ours_plain = ours(a.model, 0, a.ngram, a.our_precision)
-    ours_lookup = ours(a.model, our_k, a.ngram, a.our_precision, a.our_max_seqs)
+    ours_lookup = ours(a.model, our_k, a.ngram, a.our_precision, a.our_max_seqs, a.our_verify_drafts)
     engines: dict[str, Serve] = {"ovserve": ours_serve(ours_plain), "ovserve+lookup": ours_serve(ours_lookup)}
     single: dict[str, Serve] = {}
     if not a.ours_only:
@@ -308,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "our_k": our_k,
         "our_precision": ours_plain.config.inference_precision,
         "our_max_seqs": ours_lookup.config.speculative_max_seqs,
+        "our_verify_drafts": ours_lookup.config.verify_drafts,
         "genai_precision": a.genai_precision or "the plugin's default",
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,

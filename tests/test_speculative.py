@@ -344,15 +344,14 @@ def every_draft(monkeypatch):
     monkeypatch.setattr(scheduler_module, "choose_drafts", lambda cost, requests: [limit for _, limit, _ in requests])
 
 
-@pytest.mark.parametrize("rows", ["one-token rows", "one sequence"])
-def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, rows, monkeypatch, every_draft):
+@pytest.mark.parametrize("verify_drafts", ["rows", "sequence"])
+def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, verify_drafts, every_draft):
     """Uncompressed weights and an f16 cache: a k+1-token verify step must reproduce one-token decoding, its
-    drafts fed as one-token rows (one compiled copy) or as one sequence (with auto's bf16 copy)."""
-    if rows == "one sequence":
-        monkeypatch.setattr(ModelRunner, "one_copy_for_all_steps", property(lambda self: False))
+    drafts fed as one-token rows (auto's choice where one compiled copy runs every step) or as one sequence
+    (beside auto's bf16 copy, or asked for)."""
     prompts = [TEXT, TEXT[10:] + TEXT[:10], [5, 6, 7] * 12]
     plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40)
-    spec = {"speculative_tokens": 4, "speculation": "auto"}
+    spec = {"speculative_tokens": 4, "speculation": "auto", "verify_drafts": verify_drafts}
     fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 40, proposer=Oracle(prompts, plain), **spec)
     assert fast == plain
     looked_up, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40, **spec)  # prompt lookup's drafts, mostly rejected
@@ -360,6 +359,19 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, rows, m
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
     # each verify step yields its kept drafts and one token; every other step one token per request
     assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
+
+
+def test_drafts_are_fed_as_rows_where_one_copy_runs_every_step_unless_asked_otherwise(tiny_qwen3_ir):
+    """verify_drafts: auto takes one-token rows where they make speculation exact (here f32, one copy), and
+    either form can be asked for (sequence: faster at long contexts, where rows read the context each)."""
+    for verify_drafts, rows in (("auto", True), ("rows", True), ("sequence", False)):
+        config = EngineConfig(kv_cache_gb=0.02, inference_precision="f32", verify_drafts=verify_drafts)
+        engine = Engine(tiny_qwen3_ir, config)
+        try:
+            assert engine.core.draft_rows is rows
+        finally:
+            engine.shutdown()
+    assert EngineConfig(verify_drafts="sideways").problems() == ["verify_drafts must be one of auto, rows, sequence"]
 
 
 def test_drafts_rows_are_computed_as_decode_steps_compute_them(tiny_qwen3_ir):

@@ -99,6 +99,11 @@ class EngineCore:
             self.disk_tier = KVDiskTier(store, self.runner.cache_arrays(), self._commands.put)
         # a step's cost against its tokens, for the draft rule: measured at warm-up, refitted after every step
         self.step_times = StepTimes()
+        # drafts as one-token rows make a verify row a decode row, bit for bit, but only where decode rows are
+        # computed one way: beside auto's bf16 copy (prompt chunks' steps) they are not, and one sequence is faster
+        self.draft_rows = config.verify_drafts == "rows" or (
+            config.verify_drafts == "auto" and self.runner.one_copy_for_all_steps
+        )
         self.shape_keeper = ShapeKeeper(self.step_times)
         self.num_shape_changes = 0
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.disk_tier, step_times=self.step_times)
@@ -178,14 +183,14 @@ class EngineCore:
         for n in sizes:
             for i in range(repeats + 1):
                 start = time.perf_counter()
-                self.runner.execute(verify_inputs([0] * n, 8, blocks, self.runner.one_copy_for_all_steps))
+                self.runner.execute(verify_inputs([0] * n, 8, blocks, self.draft_rows))
                 if i:
                     self.step_times.observe(n, time.perf_counter() - start)
         # and what a change of shape costs: steps alternating between no drafts and K, shapes seen above
         for i in range(2 * repeats):
             n = 1 + (i % 2) * self.config.speculative_tokens
             start = time.perf_counter()
-            self.runner.execute(verify_inputs([0] * n, 8, blocks, self.runner.one_copy_for_all_steps))
+            self.runner.execute(verify_inputs([0] * n, 8, blocks, self.draft_rows))
             self.step_times.observe_change(n, time.perf_counter() - start)
         self._measure_draft_costs()
 
@@ -212,7 +217,7 @@ class EngineCore:
                         [0] * (1 + (num_drafts if i < drafting else 0)),
                         context,
                         table,
-                        self.runner.one_copy_for_all_steps,
+                        self.draft_rows,
                     )
                 ]
                 times = []
@@ -358,8 +363,7 @@ class EngineCore:
         # the result and is their only user otherwise.
         constrained = [c for c in sampled if c.request.matcher is not None]
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
-        one_token_rows = self.runner.one_copy_for_all_steps
-        inputs = [row for c in plan.chunks for row in step_inputs(c, one_token_rows)]
+        inputs = [row for c in plan.chunks for row in step_inputs(c, self.draft_rows)]
         needed = StepShape.of([len(i.token_ids) for i in inputs], [i.num_logits for i in inputs])
         # the shape of the copy that will run it: a prompt chunk on the bf16 copy leaves the f32 copy's intact
         shape = self.shape_keeper.choose(needed, self.runner.last_shapes.get(self.runner.copy_for(inputs)))
@@ -535,10 +539,10 @@ def step_inputs(chunk: ScheduledChunk, one_token_rows: bool) -> list[StepInput]:
     sequences computes it (bit for bit, int8 weights and u8 cache too). Fed as one sequence of k + 1 tokens,
     the rows come from the kernel for many-token queries, which rounds differently: on SmolLM2 int8 rows moved
     by up to 0.7 in the logits, and greedy replies with drafts differed from plain decoding's. One-token rows
-    cost as much at 1-2 drafts and 5-12% more at 5 (more reads of the context), so they are used where they
-    make speculation exact: where every step runs on one compiled copy. With auto precision's bf16 copy,
-    decoding rows that share a step with a prompt chunk run in bf16 anyway, and the many-token kernel, at
-    more than 32 tokens also on that copy, is the faster."""
+    cost as much at 1-2 drafts and 5-12% more at 5 (more reads of the context), so by default (verify_drafts
+    auto) they are used where they make speculation exact: where every step runs on one compiled copy. With
+    auto precision's bf16 copy, decoding rows that share a step with a prompt chunk run in bf16 anyway, and the
+    many-token kernel, at more than 32 tokens also on that copy, is the faster."""
     if not chunk.drafts:
         return [StepInput(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits)]
     return verify_inputs(chunk.token_ids, chunk.start, chunk.block_ids, one_token_rows)
