@@ -381,8 +381,7 @@ class EngineCore:
             # every step of decoding requests with drafts, changed and padded ones too: what drafts cost includes
             # the changes of shape and the padding that their coming and going causes
             drafts = [(len(c.drafts), c.start) for c in plan.chunks if c.drafts]
-            num_tokens = sum(c.num_tokens for c in plan.chunks)
-            self.step_times.observe_drafts(num_tokens, seconds, len(plan.chunks), drafts)
+            self.step_times.observe_drafts(plan.num_tokens, seconds, len(plan.chunks), drafts)
         by_id = {}
         if pending is not None:
             by_id = pending.result()
