@@ -246,7 +246,10 @@ class ModelRunner:
         """Which compiled copy runs a step of these sequences: "single_token" for one token where there is
         that copy, "large_step" for more than LARGE_STEP_TOKENS tokens where there is that copy, else "main".
         Each copy keeps its own last shape (last_shapes)."""
-        tokens = sum(len(s.token_ids) for s in seqs)
+        return self.copy_for_tokens(sum(len(s.token_ids) for s in seqs))
+
+    def copy_for_tokens(self, tokens: int) -> str:
+        """Which compiled copy runs a step of this many tokens (copy_for)."""
         if self.single_token_request is not None and tokens == 1:
             return "single_token"
         if self.large_step_request is not None and tokens > LARGE_STEP_TOKENS:

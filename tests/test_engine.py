@@ -118,6 +118,20 @@ def test_requests_ending_one_by_one_pad_the_step_and_stay_exact(engine, referenc
     assert_no_blocks_held(engine)
 
 
+def test_drafts_keep_the_last_steps_shape_where_they_pad_to_it(engine, monkeypatch):
+    """The draft rule asks the engine which totals of drafts keep the last step's shape on the copy that
+    would run the step: with drafts as one-token rows (one compiled copy) each draft is a sequence too."""
+    core = engine.core
+    copy = core.runner.copy_for_tokens(8)
+    monkeypatch.setitem(core.runner.last_shapes, copy, StepShape(8, 8, 8))  # eight one-token sequences
+    assert core.draft_rows  # f32: every step on one copy
+    assert [d for d in range(10) if core.keeps_shape(3, d)] == [0, 1, 2, 3, 4, 5]  # 3 + d rows, padded to 8
+    monkeypatch.setattr(core, "draft_rows", False)  # drafts in their sequence: 3 sequences, 3 + d tokens
+    assert [d for d in range(10) if core.keeps_shape(3, d)] == [0]  # five padding sequences need five tokens
+    monkeypatch.setitem(core.runner.last_shapes, copy, StepShape(12, 4, 12))  # three with drafts, one padding
+    assert [d for d in range(12) if core.keeps_shape(3, d)] == list(range(9))
+
+
 def test_preemption_keeps_outputs_exact(engine, tiny_qwen3_fp16_ir, reference):
     block_bytes = engine.info.kv_cache_bytes / engine.info.num_kv_blocks
     # 8 blocks of 32 tokens: four 100-token sequences cannot all fit at once.

@@ -34,10 +34,10 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
     if stage == "schedule":
         real_schedule = core.scheduler.schedule
 
-        def schedule():
+        def schedule(keeps_shape=None):
             if poisoned(core.scheduler.waiting) or poisoned(core.scheduler.running):
                 raise RuntimeError("injected planning failure")
-            return real_schedule()
+            return real_schedule(keeps_shape)
 
         monkeypatch.setattr(core.scheduler, "schedule", schedule)
     elif stage == "execute":

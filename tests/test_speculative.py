@@ -4,6 +4,7 @@ model; then on a real model, greedy output with speculation equals greedy output
 import asyncio
 import itertools
 import random
+from collections.abc import Callable
 
 import httpx
 import numpy as np
@@ -341,7 +342,9 @@ def every_draft(monkeypatch):
     """Every speculating request gets all the drafts it may have. The cost rule reads the machine's step times,
     and on the tiny models (steps of a few ms, on a CI machine busy with other tests) it sometimes found
     drafts too dear and offered none; these tests are about what drafts do, not about when they pay."""
-    monkeypatch.setattr(scheduler_module, "choose_drafts", lambda cost, requests: [limit for _, limit, _ in requests])
+    monkeypatch.setattr(
+        scheduler_module, "choose_drafts", lambda cost, requests, fits=None: [limit for _, limit, _ in requests]
+    )
 
 
 @pytest.mark.parametrize("verify_drafts", ["rows", "sequence"])
@@ -521,7 +524,8 @@ def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
     assert crowd.best(crowd.options(DraftStats(), 5)) == 0
     assert crowd.best(crowd.options(runs_of(*[0, 2] * 10), 5)) == 0
     assert crowd.best(crowd.options(runs_of(*[8] * 10), 5)) == 5  # copying gains 3% here (the prior line: F = 8)...
-    assert choose_drafts(crowd, [(runs_of(*[8] * 10), 5, 0)]) == [0]  # ...less than a change of shape is worth
+    no_drafts = [(runs_of(*[8] * 10), 5, 0)]
+    assert choose_drafts(crowd, no_drafts, fits=lambda n: n == 0) == [0]  # ...less than a change of shape is worth
     few = StepCost(StepTimes(8), tokens=8, produced=8)
     assert few.best(few.options(runs_of(*[8] * 10), 5)) == 5  # beside 7 others, a request that copies its input gains
     beside_a_prompt = StepCost(StepTimes(8), tokens=200, produced=1)  # one decoding request beside a prompt chunk
@@ -548,10 +552,10 @@ def test_drafts_cost_by_the_sequence_not_by_the_step():
     assert times.draft_cost(0) == 0 and times.draft_cost(5) == pytest.approx(0.0157 + (0.0173 - 0.0157) / 2 - 0.0132)
 
 
-def test_a_request_keeps_its_number_of_drafts_unless_a_change_of_shape_pays():
-    """A step of the same shape as the one before is cheaper: a request switches to a better number of
-    drafts only when what the switch saves over HORIZON steps exceeds what two changes of shape cost (drafts
-    come and go with the matches, so a switch is undone before long)."""
+def test_a_step_keeps_its_shape_unless_a_change_pays():
+    """A step of the same shape as the one before is cheaper: a request takes a number of drafts that needs
+    another shape only when what the switch saves over HORIZON steps exceeds what two changes of shape cost
+    (drafts come and go with the matches, so a switch is undone before long)."""
     times = StepTimes()
     for n, seconds in {1: 0.0162, 2: 0.0169, 3: 0.0179, 4: 0.0197, 5: 0.0237, 6: 0.0237}.items():
         times.observe(n, seconds)
@@ -561,21 +565,23 @@ def test_a_request_keeps_its_number_of_drafts_unless_a_change_of_shape_pays():
     copying = runs_of(*[5] * 10)  # every guess kept whole
     rates = [cost.rate(cost.options(copying, 5), k) for k in range(6)]
     assert max(range(6), key=rates.__getitem__) == 5 and rates[5] < 1.25 * rates[4]  # 5 drafts: 20% better than 4
+
+    def shape_of(drafts: int) -> Callable[[int], bool]:  # the last step had one sequence and `drafts` drafts
+        return lambda n: n == drafts
+
     for kept in range(6):  # 4 steps at 20% faster save more than the 2 x 5 ms of changes: switch
-        copying.num_drafts = kept
-        assert choose_drafts(cost, [(copying, 5, 0)]) == [5] and copying.num_drafts == 5
+        assert choose_drafts(cost, [(copying, 5, 0)], shape_of(kept)) == [5]
     for _ in range(50):  # 9 ms a change: from 3 or 4 drafts a switch saves 15.5 ms, more than one change
         times.observe_change(1, 0.0162 + 0.009)
     for kept, chosen in ((4, 4), (3, 3), (2, 5)):
-        copying.num_drafts = kept
-        assert choose_drafts(cost, [(copying, 5, 0)]) == [chosen]
+        assert choose_drafts(cost, [(copying, 5, 0)], shape_of(kept)) == [chosen]
     for _ in range(50):  # changes got far dearer: 20 ms
         times.observe_change(1, 0.0162 + 0.020)
-    copying.num_drafts = 4
-    assert choose_drafts(cost, [(copying, 5, 0)]) == [4]
-    copying.num_drafts = 0  # but no drafts at all against five kept ones: 6 tokens a step instead of 1
-    assert choose_drafts(cost, [(copying, 5, 0)]) == [5]
-    assert choose_drafts(cost, [(copying, 0, 0)]) == [0]  # and never beyond the limit
+    assert choose_drafts(cost, [(copying, 5, 0)], shape_of(4)) == [4]
+    # but no drafts at all against five kept ones: 6 tokens a step instead of 1
+    assert choose_drafts(cost, [(copying, 5, 0)], shape_of(0)) == [5]
+    assert choose_drafts(cost, [(copying, 0, 0)], shape_of(4)) == [0]  # and never beyond the limit
+    assert choose_drafts(cost, [(copying, 5, 0)]) == [5]  # with no shape to keep (a first step), the best
 
 
 def test_the_whole_step_switches_or_none_of_it():
@@ -587,14 +593,34 @@ def test_the_whole_step_switches_or_none_of_it():
     times.observe(8, 0.0206, sequences=8)
     times.observe_change(8, 0.0206 + 0.005, sequences=8)
     cost = StepCost(times, tokens=8, produced=8, sequences=8)
-    missing = [runs_of(*[0] * 10) for _ in range(8)]  # guesses that never agree
-    for stats in missing:
-        stats.num_drafts = 1  # what the prior gave them
+    missing = [runs_of(*[0] * 10) for _ in range(8)]  # guesses that never agree; the prior gave each one draft
     one = StepCost(times, tokens=8, produced=8, sequences=8)
     one.add(1, one.options(missing[0], 1))
     alone_saves = 4 * one.seconds * (1 - (one.produced / one.seconds) / (8 / cost.seconds))
     assert alone_saves < times.change_seconds  # one request dropping its draft would not pay for a change
-    assert choose_drafts(cost, [(stats, 5, 0) for stats in missing]) == [0] * 8  # all eight dropping theirs does
+    eight_drafts = lambda n: n == 8  # noqa: E731
+    # all eight dropping theirs does
+    assert choose_drafts(cost, [(stats, 5, 0) for stats in missing], eight_drafts) == [0] * 8
+
+
+def test_drafts_move_within_the_shape_to_the_request_that_copies():
+    """Within the last step's shape, drafts go where they are worth most: a request whose guess ran out gives
+    its room to one that copies, rather than each keeping its number or the step changing shape."""
+    times = StepTimes()
+    for n, seconds in {1: 0.0126, 2: 0.0130, 4: 0.0140, 8: 0.0158, 16: 0.0214}.items():
+        times.observe(n, seconds)
+    times.observe(2, 0.0150, sequences=2)
+    times.observe_change(2, 0.0150 + 0.030, sequences=2)  # changes dear: the shape is kept
+    cost = StepCost(times, tokens=2, produced=2, sequences=2)
+    missing, copying = runs_of(*[0] * 10), runs_of(*[8] * 10)
+    up_to_five = lambda n: n <= 5  # noqa: E731  (four drafts and a padding sequence of one token last step)
+    assert choose_drafts(cost, [(missing, 8, 0), (copying, 8, 0)], up_to_five) == [0, 5]
+    assert choose_drafts(cost, [(missing, 8, 0), (copying, 8, 0)]) == [0, 8]  # no shape to keep: the best
+    # a shape without a padding sequence takes exactly its tokens: the rest goes to the request with drafts
+    short = runs_of(*[2] * 10)  # runs of two: a third draft would never be kept
+    exactly_six = lambda n: n == 6  # noqa: E731
+    assert choose_drafts(cost, [(missing, 8, 0), (short, 8, 0)], exactly_six) == [0, 6]
+    assert choose_drafts(cost, [(missing, 8, 0), (short, 8, 0)], lambda n: n == 12) == [4, 8]  # then the others
 
 
 def test_a_first_change_of_shape_costs_a_quarter_step_until_measured():
@@ -622,7 +648,8 @@ def test_a_request_whose_guesses_miss_loses_its_drafts_and_gets_them_back_when_i
         plan = s.schedule()
         drafts = plan.chunks[0].drafts
         s.update(plan, [[*drafts, *(s.proposer.propose(r.all_token_ids + list(drafts), 1).tokens or [1])]])
-    assert len(s.schedule().chunks[0].drafts) == 4
+    drafts = s.schedule().chunks[0].drafts
+    assert drafts and s.proposer.propose(r.all_token_ids, 4).tokens[: len(drafts)] == drafts  # its guess again
 
 
 def test_a_short_guess_is_padded_to_the_number_of_drafts_its_step_keeps():
@@ -630,14 +657,16 @@ def test_a_short_guess_is_padded_to_the_number_of_drafts_its_step_keeps():
     decoding(fresh, [1, 2, 3, 4, 5, 6, 7])  # first token 4: lookup has only 5, 6, 7, 4 after it
     assert fresh.schedule().chunks[0].drafts == (5, 6, 7, 4)  # a fifth draft could never be kept: not chosen
     s = scheduler(k=5)
-    r = decoding(s, [1, 2, 3, 4, 5, 6, 7])
-    r.draft_stats.num_drafts = 5  # its steps had five: a change of shape would cost more than a draft
-    assert s.schedule().chunks[0].drafts == (5, 6, 7, 4, 4)  # a step of the shape it keeps
+    decoding(s, [1, 2, 3, 4, 5, 6, 7])
+
+    def five_drafts(sequences: int, drafts: int) -> bool:  # the last step had five: a change would cost more
+        return drafts == 5
+
+    assert s.schedule(five_drafts).chunks[0].drafts == (5, 6, 7, 4, 4)  # a step of the shape it keeps
     constrained = scheduler(k=5)
     r = decoding(constrained, [1, 2, 3, 4, 5, 6, 7])
     r.matcher = type("AnyToken", (), {"num_valid": staticmethod(len)})()  # a grammar that allows all
-    r.draft_stats.num_drafts = 5
-    assert constrained.schedule().chunks[0].drafts == (5, 6, 7, 4)  # never padded past what a grammar checked
+    assert constrained.schedule(five_drafts).chunks[0].drafts == (5, 6, 7, 4)  # never padded past a grammar's check
 
 
 def test_drafts_never_preempt_and_leave_others_their_block():

@@ -47,6 +47,15 @@ def test_padding_goes_on_until_it_has_cost_one_change_of_shape():
     assert keeper.choose(StepShape(2, 2, 2), prompt) == StepShape(2, 2, 2)  # never padded to a prompt chunk
 
 
+def test_a_step_keeps_the_last_shape_only_where_it_pads_to_it():
+    keeper = ShapeKeeper(measured_times())
+    roomy = StepShape(12, 5, 12)  # four sequences with eight drafts and a padding sequence
+    assert keeper.keeps(StepShape(12, 5, 12), roomy) and keeper.keeps(StepShape(6, 4, 6), roomy)
+    assert not keeper.keeps(StepShape(12, 4, 12), roomy)  # no token left for the padding sequence
+    assert not keeper.keeps(StepShape(6, 6, 6), roomy) and not keeper.keeps(StepShape(4, 4, 4), None)
+    assert not keeper.keeps(StepShape(4, 4, 4), StepShape(100, 5, 5))  # never padded to a prompt chunk
+
+
 def test_before_any_step_is_measured_padding_follows_the_prior_line():
     keeper = ShapeKeeper(StepTimes(overhead=8))
     eight, seven = StepShape(8, 8, 8), StepShape(7, 7, 7)

@@ -266,7 +266,9 @@ def test_grammar_with_speculative_decoding(smollm2_ir, monkeypatch):
     machine's step times, and this test is about what the grammar does to drafts)."""
     from service.core import scheduler as scheduler_module
 
-    monkeypatch.setattr(scheduler_module, "choose_drafts", lambda cost, requests: [limit for _, limit, _ in requests])
+    monkeypatch.setattr(
+        scheduler_module, "choose_drafts", lambda cost, requests, fits=None: [limit for _, limit, _ in requests]
+    )
     running = Running(base_config(smollm2_ir, speculation="auto", speculative_tokens=4))
     schema = SCHEMAS["enum_and_array"]
     example = '{"color": "green", "tags": ["a", "b"]} ' * 6 + "plain words that no grammar here admits " * 4

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 from service.core.config import EngineConfig
@@ -237,12 +238,15 @@ class Scheduler:
                 return reason
         return None
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, keeps_shape: Callable[[int, int], bool] | None = None) -> StepPlan:
+        """The next step. keeps_shape(sequences, drafts) says whether a step of that many decoding sequences
+        carrying that many drafts in all runs in the shape of the step before (the engine's runner knows):
+        drafts are placed within it unless a change of shape pays (choose_drafts)."""
         plan = StepPlan()
         self._drop_expired(plan)
         budget = self.max_num_batched_tokens
         speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
-        chosen_drafts = self._plan_drafts(budget) if speculate else {}
+        chosen_drafts = self._plan_drafts(budget, keeps_shape) if speculate else {}
         for request in list(self.running):
             if budget == 0:
                 break
@@ -359,10 +363,11 @@ class Scheduler:
     def _speculates(self, request: Request) -> bool:
         return (request.params.speculation or self.speculation) == "auto"
 
-    def _plan_drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
+    def _plan_drafts(self, budget: int, keeps_shape: Callable[[int, int], bool] | None) -> dict[int, tuple[int, ...]]:
         """Drafts for each decoding request that speculates, by request id: the number that raises the step's
         tokens per second given its latest guess (its kind and length) and what guesses of that kind earned
-        lately, within its token limits. The guess is made first, so that the number is chosen knowing it."""
+        lately, within its token limits and, unless a change pays, the last step's shape. The guess is made
+        first, so that the number is chosen knowing it."""
         cost = self._step_cost(budget)
         candidates: list[tuple[Request, int, tuple[int, ...]]] = []
         for request in self.running:
@@ -375,7 +380,10 @@ class Scheduler:
             )
             if limit > 0:
                 candidates.append((request, limit, self._guess(request)))
-        chosen = choose_drafts(cost, [(r.draft_stats, limit, r.num_tokens) for r, limit, _ in candidates])
+        fits = None
+        if keeps_shape is not None and cost.tokens == cost.sequences:  # decoding only: else its shape is a prompt's
+            fits = partial(keeps_shape, cost.sequences)
+        chosen = choose_drafts(cost, [(r.draft_stats, limit, r.num_tokens) for r, limit, _ in candidates], fits)
         return {r.id: self._drafts(r, guess, k) for (r, _, guess), k in zip(candidates, chosen, strict=True)}
 
     def _guess(self, request: Request) -> tuple[int, ...]:

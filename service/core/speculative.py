@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -36,11 +36,14 @@ POOL_DECAY = 0.99
 PRIOR_ACCEPTANCE = 0.5
 # A step of another shape than the one before costs the CPU plugin time to prepare its kernels and buffers
 # (StepTimes.change_seconds: SmolLM2 on 2 cores, 5 ms on a 16 ms step with AVX-512, 14 ms on a 24 ms step with
-# AVX2). A request changes its number of drafts, and so the step's shape, only when the better number's gain
-# over the next HORIZON steps pays for CHANGES_PER_SWITCH changes: matches come and go, so a step that grows
-# for drafts shrinks again before long (writing at 8 streams: grow, shrink, grow every few steps). Counting
-# both changes gave, against counting one, in the same run (3 rounds, SmolLM2, against plain decoding):
-# writing at 4 and 8 streams 0.95x and 0.91x (against 0.95x and 0.88x), edits 1.37x and 1.15x (1.30x, 1.13x).
+# AVX2). A step takes another shape for drafts only when the better numbers' gain over the next HORIZON steps
+# pays for CHANGES_PER_SWITCH changes: matches come and go, so a step that grows for drafts shrinks again
+# before long (writing at 8 streams: grow, shrink, grow every few steps). Counting both changes gave, against
+# counting one, in the same run (3 rounds, SmolLM2, against plain decoding): writing at 4 and 8 streams 0.95x
+# and 0.91x (against 0.95x and 0.88x), edits 1.37x and 1.15x (1.30x, 1.13x). Otherwise the drafts are placed
+# within the shape (fit_drafts) rather than each request keeping its number: at 4 streams of writing, where
+# one request's guess runs out as another's starts, 0.998x plain against 0.949x (12 rounds, same run; 485
+# changes of shape against 625), edits 1.46x against 1.43x.
 HORIZON = 4
 CHANGES_PER_SWITCH = 2
 # Prompt lookup's matches are measured up to this many tokens; kinds are the lengths' powers of two (1,
@@ -153,7 +156,6 @@ class DraftStats:
     by_kind: dict[int, Runs] = field(default_factory=dict)
     latest: Guess | None = None  # None: drafts judged by kind 0, at any length
     watched: tuple[int, Guess] | None = None  # (position, guess): the guess being checked
-    num_drafts: int = 0  # drafts the scheduler chose in the request's last decode step
 
     def watch(self, position: int, guess: Guess) -> None:
         """guess is the proposer's latest, for the tokens from position on: the request's drafts are judged
@@ -243,12 +245,13 @@ class StepCost:
         """Expected tokens per unit of time of the step if the request gets num_drafts drafts."""
         return (self.produced + options.expected[num_drafts] - 1) / (self.seconds + options.seconds[num_drafts])
 
-    def best(self, options: DraftOptions) -> int:
-        """The number of drafts that gives the step the most tokens per second."""
+    def best(self, options: DraftOptions, most: int | None = None) -> int:
+        """The number of drafts, up to `most`, that gives the step the most tokens per second."""
         seconds = self.seconds
-        rates = [
-            (self.produced + e - 1) / (seconds + s) for e, s in zip(options.expected, options.seconds, strict=True)
-        ]
+        expected, added = options.expected, options.seconds
+        if most is not None:
+            expected, added = expected[: most + 1], added[: most + 1]
+        rates = [(self.produced + e - 1) / (seconds + s) for e, s in zip(expected, added, strict=True)]
         return max(range(len(rates)), key=rates.__getitem__)
 
     def add(self, num_drafts: int, options: DraftOptions) -> None:
@@ -260,31 +263,69 @@ class StepCost:
     def seconds(self) -> float:
         return self.times.cost(self.tokens, self.sequences) + self.draft_seconds
 
+    @property
+    def speed(self) -> float:
+        return self.produced / self.seconds
 
-def choose_drafts(cost: StepCost, requests: Sequence[tuple[DraftStats, int, int]]) -> list[int]:
+
+def choose_drafts(
+    cost: StepCost, requests: Sequence[tuple[DraftStats, int, int]], fits: Callable[[int], bool] | None = None
+) -> list[int]:
     """The number of drafts for each of a step's decoding requests, given as (what its guesses earned, its
-    limit, its tokens so far): each request's best number in turn (each added to the step before the next
-    is judged), unless the numbers they had in the last step are nearly as good. The step's shape is what a
-    change costs, so the whole step switches or none of it: when the time the best numbers save over HORIZON
-    steps does not pay for CHANGES_PER_SWITCH changes of shape, every request keeps its number (a request's
-    own share of a many-request step is too small to pay for a change alone, and left to decide alone, each
-    would keep its number forever). Sets each request's num_drafts."""
-    best_cost, kept_cost = replace(cost), replace(cost)
-    best, kept = [], []
-    for stats, limit, context in requests:
-        options = cost.options(stats, limit, context)  # the same in both: they differ only in drafts added
-        best.append(best_cost.best(options))
-        best_cost.add(best[-1], options)
-        kept.append(min(stats.num_drafts, limit))
-        kept_cost.add(kept[-1], options)
-    speed_kept = kept_cost.produced / kept_cost.seconds
-    speed_best = best_cost.produced / best_cost.seconds
-    saved = HORIZON * kept_cost.seconds * (1 - speed_kept / speed_best)
-    switching = CHANGES_PER_SWITCH * cost.times.change_cost(kept_cost.tokens + kept_cost.num_drafts, cost.sequences)
-    chosen = best if saved > switching else kept
-    for (stats, _, _), k in zip(requests, chosen, strict=True):
-        stats.num_drafts = k
-    return chosen
+    limit, its tokens so far): each request's best number in turn, each added to the step before the next is
+    judged. The step's shape is what a change costs, and fits(n) says whether a step carrying n drafts in all
+    keeps the last step's shape (None: there is none to keep). When the best numbers need another shape, they
+    are taken only if the time they save over HORIZON steps pays for CHANGES_PER_SWITCH changes; otherwise
+    the step takes the best numbers that keep the shape (fit_drafts). The whole step switches or none of it:
+    a request's own share of a many-request step is too small to pay for a change alone."""
+    options = [cost.options(stats, limit, context) for stats, limit, context in requests]
+    best, best_step = in_turn(cost, options)
+    if fits is None or fits(best_step.num_drafts):
+        return best
+    fitting = fit_drafts(cost, options, fits)
+    if fitting is None:
+        return best
+    fit, fit_step = fitting
+    saved = HORIZON * fit_step.seconds * (1 - fit_step.speed / best_step.speed)
+    switching = CHANGES_PER_SWITCH * cost.times.change_cost(fit_step.tokens + fit_step.num_drafts, cost.sequences)
+    return best if saved > switching else fit
+
+
+def in_turn(cost: StepCost, options: Sequence[DraftOptions], most: int | None = None) -> tuple[list[int], StepCost]:
+    """Each request's best number of drafts in turn, with at most `most` in all, and the step with them."""
+    step = replace(cost)
+    chosen = []
+    for option in options:
+        chosen.append(step.best(option, None if most is None else most - step.num_drafts))
+        step.add(chosen[-1], option)
+    return chosen, step
+
+
+def fit_drafts(
+    cost: StepCost, options: Sequence[DraftOptions], fits: Callable[[int], bool]
+) -> tuple[list[int], StepCost] | None:
+    """The best numbers of drafts whose total keeps the step's shape (fits), and the step with them; None
+    when no total does. Drafts move freely between requests within a shape: one whose guess ran out gives its
+    room to one that is copying. The best numbers within the largest total that fits are topped up to the
+    nearest total that fits (a shape without a padding sequence takes exactly its tokens), first on requests
+    that have drafts already: a sequence's first draft costs the most (it runs as a many-token query, which
+    reads its context again), and a draft past the guess is still kept when it happens to be right."""
+    limits = [len(option.expected) - 1 for option in options]
+    totals = [n for n in range(sum(limits) + 1) if fits(n)]
+    if not totals:
+        return None
+    chosen, _ = in_turn(cost, options, max(totals))
+    short = min(n for n in totals if n >= sum(chosen)) - sum(chosen)
+    for with_drafts in (True, False):
+        for i, limit in enumerate(limits):
+            if short and (chosen[i] > 0) is with_drafts:
+                extra = min(short, limit - chosen[i])
+                chosen[i] += extra
+                short -= extra
+    step = replace(cost)
+    for k, option in zip(chosen, options, strict=True):
+        step.add(k, option)
+    return chosen, step
 
 
 class StepTimes:

@@ -67,11 +67,16 @@ class ShapeKeeper:
         self.num_padded_steps = 0
         self.recent: deque[StepShape] = deque(maxlen=self.RECENT)
 
+    def keeps(self, needed: StepShape, last: StepShape | None) -> bool:
+        """Whether a step of shape `needed` can run in the last step's shape (as it is, or padded while padding
+        pays): the draft rule places drafts within it."""
+        return needed == last or (last is not None and last.tokens <= self.times.max_tokens and needed.pads_to(last))
+
     def choose(self, needed: StepShape, last: StepShape | None) -> StepShape:
         self.recent.append(needed)
         if needed == last:
             return needed
-        if last is None or last.tokens > self.times.max_tokens or not needed.pads_to(last):
+        if last is None or not self.keeps(needed, last):
             self.spent = 0.0
             return self._with_room(needed) if last is not None and needed.tokens > last.tokens else needed
         extra, change = self.times.padding_cost(needed.tokens, needed.sequences, last.tokens, last.sequences)

@@ -323,7 +323,7 @@ class EngineCore:
         candidates = [*self.scheduler.running, *list(self.scheduler.waiting)[:1]]
         loading_before = set(self.scheduler.loading)
         try:
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(self.keeps_shape)
         except Exception as exc:
             # The plan is lost: fail what it could have held. Each such failure removes at least one
             # request, so a request that breaks planning cannot make the engine loop. Loads it started
@@ -349,6 +349,13 @@ class EngineCore:
         self._update_stats(plan, clock, num_generated=sum(len(o.token_ids) for o in outputs))
         self._publish(outputs)
         return not plan.empty
+
+    def keeps_shape(self, sequences: int, drafts: int) -> bool:
+        """Whether a step of `sequences` decoding sequences carrying `drafts` drafts in all can run in the shape
+        of the last step on its copy (ShapeKeeper): for the draft rule, which places drafts within it."""
+        tokens = sequences + drafts
+        needed = StepShape(tokens, tokens if self.draft_rows else sequences, tokens)  # rows: one sequence a token
+        return self.shape_keeper.keeps(needed, self.runner.last_shapes.get(self.runner.copy_for_tokens(tokens)))
 
     def _save_filled_blocks(self) -> None:
         """Queue the blocks this step filled for the disk tier, before any later step can reuse them."""
