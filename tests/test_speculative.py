@@ -652,6 +652,25 @@ def test_a_request_whose_guesses_miss_loses_its_drafts_and_gets_them_back_when_i
     assert drafts and s.proposer.propose(r.all_token_ids, 4).tokens[: len(drafts)] == drafts  # its guess again
 
 
+def test_the_scheduler_asks_which_totals_keep_the_shape_and_places_drafts_within(monkeypatch):
+    s = scheduler(k=3)
+    first = Request(next(IDS), [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams())
+    second = Request(next(IDS), [11, 12, 13, 14, 15, 16, 17, 18, 19], SamplingParams())
+    s.add(first)
+    s.add(second)
+    s.update(s.schedule(), [[5], [15]])  # both prompts in one step; each then has a guess of three tokens
+    asked = []
+
+    def up_to_four(sequences: int, drafts: int) -> bool:  # the last step: two sequences, four drafts and a pad
+        asked.append(sequences)
+        return drafts <= 4
+
+    monkeypatch.setattr(s.step_times, "change_cost", lambda tokens, sequences=1: 1e9)  # changes never pay
+    chunks = s.schedule(up_to_four).chunks
+    assert set(asked) == {2} and [c.request for c in chunks] == [first, second]
+    assert [len(c.drafts) for c in chunks] == [3, 1]  # six would pay with no shape to keep; four fit
+
+
 def test_a_short_guess_is_padded_to_the_number_of_drafts_its_step_keeps():
     fresh = scheduler(k=5)
     decoding(fresh, [1, 2, 3, 4, 5, 6, 7])  # first token 4: lookup has only 5, 6, 7, 4 after it
