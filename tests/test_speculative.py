@@ -569,31 +569,32 @@ def test_a_step_keeps_its_shape_unless_a_change_pays():
     def shape_of(drafts: int) -> Callable[[int], bool]:  # the last step had one sequence and `drafts` drafts
         return lambda n: n == drafts
 
-    for kept in range(6):  # 4 steps at 20% faster save more than the 2 x 5 ms of changes: switch
-        assert choose_drafts(cost, [(copying, 5, 0)], shape_of(kept)) == [5]
+    for last in range(6):  # 4 steps at 20% faster save more than the 2 x 5 ms of changes: switch
+        assert choose_drafts(cost, [(copying, 5, 0)], shape_of(last)) == [5]
     for _ in range(50):  # 9 ms a change: from 3 or 4 drafts a switch saves 15.5 ms, more than one change
         times.observe_change(1, 0.0162 + 0.009)
-    for kept, chosen in ((4, 4), (3, 3), (2, 5)):
-        assert choose_drafts(cost, [(copying, 5, 0)], shape_of(kept)) == [chosen]
+    for last, chosen in ((4, 4), (3, 3), (2, 5)):
+        assert choose_drafts(cost, [(copying, 5, 0)], shape_of(last)) == [chosen]
     for _ in range(50):  # changes got far dearer: 20 ms
         times.observe_change(1, 0.0162 + 0.020)
     assert choose_drafts(cost, [(copying, 5, 0)], shape_of(4)) == [4]
-    # but no drafts at all against five kept ones: 6 tokens a step instead of 1
+    # but a shape of no drafts against five: 6 tokens a step instead of 1
     assert choose_drafts(cost, [(copying, 5, 0)], shape_of(0)) == [5]
-    assert choose_drafts(cost, [(copying, 0, 0)], shape_of(4)) == [0]  # and never beyond the limit
+    assert choose_drafts(cost, [(copying, 2, 0)], shape_of(4)) == [2]  # never beyond the limit, whatever fits
     assert choose_drafts(cost, [(copying, 5, 0)]) == [5]  # with no shape to keep (a first step), the best
 
 
 def test_the_whole_step_switches_or_none_of_it():
-    """Eight requests beside each other: each one's share of the step is too small to pay for a change of
-    shape alone, but all of them switching together does."""
+    """Eight requests beside each other whose last step carried eight drafts: one request's share of the step
+    is too small to pay for a change of shape alone, but the whole step dropping its drafts does (against the
+    eight drafts the shape would keep, placed on the fewest requests)."""
     times = StepTimes()
     for n, seconds in {1: 0.0126, 8: 0.0158, 9: 0.0168, 16: 0.0214}.items():
         times.observe(n, seconds)
     times.observe(8, 0.0206, sequences=8)
     times.observe_change(8, 0.0206 + 0.005, sequences=8)
     cost = StepCost(times, tokens=8, produced=8, sequences=8)
-    missing = [runs_of(*[0] * 10) for _ in range(8)]  # guesses that never agree; the prior gave each one draft
+    missing = [runs_of(*[0] * 10) for _ in range(8)]  # guesses that never agree
     one = StepCost(times, tokens=8, produced=8, sequences=8)
     one.add(1, one.options(missing[0], 1))
     alone_saves = 4 * one.seconds * (1 - (one.produced / one.seconds) / (8 / cost.seconds))

@@ -381,7 +381,9 @@ class Scheduler:
             if limit > 0:
                 candidates.append((request, limit, self._guess(request)))
         fits = None
-        if keeps_shape is not None and cost.tokens == cost.sequences:  # decoding only: else its shape is a prompt's
+        # decoding only: a step with a prompt chunk takes the prompt's shape anyway. A waiting request admitted
+        # after this, a preemption or drafts cut for blocks change the step's shape as they would have before.
+        if keeps_shape is not None and cost.tokens == cost.sequences:
             fits = partial(keeps_shape, cost.sequences)
         chosen = choose_drafts(cost, [(r.draft_stats, limit, r.num_tokens) for r, limit, _ in candidates], fits)
         return {r.id: self._drafts(r, guess, k) for (r, _, guess), k in zip(candidates, chosen, strict=True)}

@@ -250,7 +250,7 @@ class StepCost:
         seconds = self.seconds
         expected, added = options.expected, options.seconds
         if most is not None:
-            expected, added = expected[: most + 1], added[: most + 1]
+            expected, added = expected[: max(most, 0) + 1], added[: max(most, 0) + 1]
         rates = [(self.produced + e - 1) / (seconds + s) for e, s in zip(expected, added, strict=True)]
         return max(range(len(rates)), key=rates.__getitem__)
 
@@ -315,13 +315,11 @@ def fit_drafts(
     if not totals:
         return None
     chosen, _ = in_turn(cost, options, max(totals))
-    short = min(n for n in totals if n >= sum(chosen)) - sum(chosen)
-    for with_drafts in (True, False):
-        for i, limit in enumerate(limits):
-            if short and (chosen[i] > 0) is with_drafts:
-                extra = min(short, limit - chosen[i])
-                chosen[i] += extra
-                short -= extra
+    missing = min(n for n in totals if n >= sum(chosen)) - sum(chosen)
+    for i in sorted(range(len(chosen)), key=lambda i: chosen[i] == 0):  # requests with drafts first
+        extra = min(missing, limits[i] - chosen[i])
+        chosen[i] += extra
+        missing -= extra
     step = replace(cost)
     for k, option in zip(chosen, options, strict=True):
         step.add(k, option)

@@ -68,8 +68,9 @@ class ShapeKeeper:
         self.recent: deque[StepShape] = deque(maxlen=self.RECENT)
 
     def keeps(self, needed: StepShape, last: StepShape | None) -> bool:
-        """Whether a step of shape `needed` can run in the last step's shape (as it is, or padded while padding
-        pays): the draft rule places drafts within it."""
+        """Whether a step of shape `needed` can run in the last step's shape, as it is or padded: the draft rule
+        places drafts within it. (Whether a padded step keeps it is choose's rent-or-buy rule: once padding has
+        cost a change, the step takes its own shape.)"""
         return needed == last or (last is not None and last.tokens <= self.times.max_tokens and needed.pads_to(last))
 
     def choose(self, needed: StepShape, last: StepShape | None) -> StepShape:

@@ -354,7 +354,8 @@ class EngineCore:
         """Whether a step of `sequences` decoding sequences carrying `drafts` drafts in all can run in the shape
         of the last step on its copy (ShapeKeeper): for the draft rule, which places drafts within it."""
         tokens = sequences + drafts
-        needed = StepShape(tokens, tokens if self.draft_rows else sequences, tokens)  # rows: one sequence a token
+        # drafts as one-token rows: every token its own sequence; either way every token wants a logits row
+        needed = StepShape(tokens, tokens if self.draft_rows else sequences, tokens)
         return self.shape_keeper.keeps(needed, self.runner.last_shapes.get(self.runner.copy_for_tokens(tokens)))
 
     def _save_filled_blocks(self) -> None:
