@@ -123,6 +123,7 @@ def test_drafts_keep_the_last_steps_shape_where_they_pad_to_it(engine, monkeypat
     would run the step: with drafts as one-token rows (one compiled copy) each draft is a sequence too."""
     core = engine.core
     copy = core.runner.copy_for_tokens(8)
+    monkeypatch.setattr(core.step_times, "padding_cost", lambda *shapes: (0.0, 1.0))  # padding free: shapes only
     monkeypatch.setitem(core.runner.last_shapes, copy, StepShape(8, 8, 8))  # eight one-token sequences
     assert core.draft_rows  # f32: every step on one copy
     assert [d for d in range(10) if core.keeps_shape(3, d)] == [0, 1, 2, 3, 4, 5]  # 3 + d rows, padded to 8

@@ -54,6 +54,9 @@ def test_a_step_keeps_the_last_shape_only_where_it_pads_to_it():
     assert not keeper.keeps(StepShape(12, 4, 12), roomy)  # no token left for the padding sequence
     assert not keeper.keeps(StepShape(6, 6, 6), roomy) and not keeper.keeps(StepShape(4, 4, 4), None)
     assert not keeper.keeps(StepShape(4, 4, 4), StepShape(100, 5, 5))  # never padded to a prompt chunk
+    keeper.spent = keeper.times.change_cost(6, 4)  # padding has cost a change since the shape was set
+    assert not keeper.keeps(StepShape(6, 4, 6), roomy) and keeper.keeps(roomy, roomy)
+    assert keeper.choose(StepShape(6, 4, 6), roomy) == StepShape(6, 4, 6) and keeper.spent == 0
 
 
 def test_before_any_step_is_measured_padding_follows_the_prior_line():
