@@ -237,10 +237,13 @@ class ModelRunner:
         return logits[:num_rows, -1, :]
 
     @property
-    def one_copy_for_all_steps(self) -> bool:
-        """Whether every step with more than one token runs on the same compiled copy, so that a row computed
-        in one step is computed the same way in another (no bf16 copy for large steps)."""
-        return self.large_step_request is None
+    def rows_alike_in_every_step(self) -> bool:
+        """Whether a row is computed the same way in every step of more than one token, whatever else the step
+        holds: every such step runs on one compiled copy (no bf16 copy for large steps), in f32 activations.
+        In bf16 the matmul kernels depend on a step's row count: SmolLM2 int8 on this AMX host gave a decoding
+        row beside 1 or 3 others other logits (by up to 0.5) than the same row beside the request's own drafts
+        as one-token rows, while beside 4 or more the two were equal bit for bit."""
+        return self.large_step_request is None and self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
 
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
         """Which compiled copy runs a step of these sequences: "single_token" for one token where there is

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import httpx
 import numpy as np
+import openvino as ov
 import pytest
 
 from service import wire
@@ -364,13 +365,22 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, verify_
     assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
 
 
-def test_drafts_are_fed_as_rows_where_one_copy_runs_every_step_unless_asked_otherwise(tiny_qwen3_ir):
+def test_drafts_are_fed_as_rows_where_one_f32_copy_runs_every_step_unless_asked_otherwise(tiny_qwen3_ir):
     """verify_drafts: auto takes one-token rows where they make speculation exact (here f32, one copy), and
-    either form can be asked for (sequence: faster at long contexts, where rows read the context each)."""
-    for verify_drafts, rows in (("auto", True), ("rows", True), ("sequence", False)):
-        config = EngineConfig(kv_cache_gb=0.02, inference_precision="f32", verify_drafts=verify_drafts)
+    either form can be asked for (sequence: faster at long contexts, where rows read the context each). In
+    bf16 a row depends on its step's size, so auto takes one sequence there (on a CPU without bf16 the plugin
+    runs f32 for it: rows)."""
+    for precision, verify_drafts, rows in (
+        ("f32", "auto", True),
+        ("f32", "rows", True),
+        ("f32", "sequence", False),
+        ("bf16", "auto", None),
+    ):
+        config = EngineConfig(kv_cache_gb=0.02, inference_precision=precision, verify_drafts=verify_drafts)
         engine = Engine(tiny_qwen3_ir, config)
         try:
+            if rows is None:
+                rows = engine.core.runner.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
             assert engine.core.draft_rows is rows
         finally:
             engine.shutdown()

@@ -88,10 +88,11 @@ class EngineConfig:
         "auto",
         "how a request's drafts are fed to the model. rows: as one-token sequences on its block table, computed "
         "exactly as decode steps compute those positions (greedy replies equal plain decoding's where every step "
-        "runs on one compiled copy, int8 weights included), at 5-12%% more per verify step at 5 drafts and more "
-        "at long contexts; sequence: as one many-token sequence, faster, rounding differently at near ties on "
-        "int8 weights; auto: rows where every step runs on one copy (f32, or a CPU without bf16), sequence "
-        "beside auto's bf16 copy",
+        "runs on one compiled copy in f32, int8 weights included), at 5-12%% more per verify step at 5 drafts and "
+        "more at long contexts; sequence: as one many-token sequence, faster, rounding differently at near ties on "
+        "int8 weights; auto: rows where every step runs on one copy in f32 (--inference-precision f32, or auto on "
+        "a CPU without bf16), otherwise sequence (beside auto's bf16 copy, and in bf16, a row depends on its "
+        "step's size anyway)",
         VERIFY_DRAFTS,
     )
     kernel_cache_shapes: int = setting(

@@ -100,9 +100,11 @@ class EngineCore:
         # a step's cost against its tokens, for the draft rule: measured at warm-up, refitted after every step
         self.step_times = StepTimes()
         # drafts as one-token rows make a verify row a decode row, bit for bit, but only where decode rows are
-        # computed one way: beside auto's bf16 copy (prompt chunks' steps) they are not, and one sequence is faster
+        # computed one way: beside auto's bf16 copy (prompt chunks' steps) or in bf16 they are not, and one
+        # sequence is faster (bf16, SmolLM2 int8, edits at 4 and 8 streams: 1.58x and 1.56x plain decoding
+        # against 1.40x and 1.46x, as often equal to plain decoding's replies at 4 streams)
         self.draft_rows = config.verify_drafts == "rows" or (
-            config.verify_drafts == "auto" and self.runner.one_copy_for_all_steps
+            config.verify_drafts == "auto" and self.runner.rows_alike_in_every_step
         )
         self.shape_keeper = ShapeKeeper(self.step_times)
         self.num_shape_changes = 0
@@ -547,9 +549,10 @@ def step_inputs(chunk: ScheduledChunk, one_token_rows: bool) -> list[StepInput]:
     the rows come from the kernel for many-token queries, which rounds differently: on SmolLM2 int8 rows moved
     by up to 0.7 in the logits, and greedy replies with drafts differed from plain decoding's. One-token rows
     cost as much at 1-2 drafts and 5-12% more at 5 (more reads of the context), so by default (verify_drafts
-    auto) they are used where they make speculation exact: where every step runs on one compiled copy. With
-    auto precision's bf16 copy, decoding rows that share a step with a prompt chunk run in bf16 anyway, and the
-    many-token kernel, at more than 32 tokens also on that copy, is the faster."""
+    auto) they are used where they make speculation exact: where every step runs on one compiled copy in f32
+    (ModelRunner.rows_alike_in_every_step). With auto precision's bf16 copy, decoding rows that share a step
+    with a prompt chunk run in bf16 anyway, and in bf16 a row depends on how many rows its step has; there the
+    many-token kernel is the faster."""
     if not chunk.drafts:
         return [StepInput(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits)]
     return verify_inputs(chunk.token_ids, chunk.start, chunk.block_ids, one_token_rows)
