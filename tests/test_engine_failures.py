@@ -144,3 +144,24 @@ def test_a_request_the_scheduler_cannot_take_fails_alone(engine, monkeypatch):
     assert run(traffic()) == ["failed", "ok"]
     assert engine.alive
     assert_no_blocks_held(engine)
+
+
+def test_an_engine_whose_logits_are_not_finite_refuses_to_start(smollm2_ir):
+    """f16 activations overflow on SmolLM2 on a CPU without native f16 (every logit NaN): such an engine would
+    answer every request with the same token, so start() fails, naming the setting. Where the plugin computes
+    finite f16 logits the engine starts: which one holds is read off the runner itself."""
+    import numpy as np
+
+    from service.runner import StepInput
+
+    engine = Engine(smollm2_ir, EngineConfig(kv_cache_gb=0.05, inference_precision="f16"))
+    try:
+        logits = engine.core.runner.execute([StepInput(list(range(1, 31)), 0, [0, 1], 1)])
+        if np.isfinite(logits).all():
+            engine.start()
+            assert engine.alive
+        else:
+            with pytest.raises(ValueError, match="inference_precision 'f16'"):
+                engine.start()
+    finally:
+        engine.shutdown()

@@ -37,7 +37,7 @@ from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
 from service.model_files import ModelFiles
-from service.runner import ModelRunner, StepInput
+from service.runner import LARGE_STEP_TOKENS, ModelRunner, StepInput
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +144,8 @@ class EngineCore:
 
     # -- any thread ------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Warm the model up, then start the engine thread."""
-        self.runner.execute([StepInput([0] * 8, 0, [0], 1)])
-        # and a one-token step: with --fast-single-stream it runs on the second copy, whose weights the
-        # CPU plugin packs on first use (about 10 s for the Qwen3-4B shape), not on a user's first token
-        self.runner.execute([StepInput([0], 8, [0], 1)])
+        """Warm the model up (checking that it computes finite logits), then start the engine thread."""
+        self._check_logits()
         # with speculation off by default, requests that opt in start from StepTimes' prior and the live
         # steps (prompt chunks and decode steps differ in size) fit it: no server start pays for the warm-up
         if self.config.speculative_tokens > 0 and self.config.speculation == "auto":
@@ -172,6 +169,25 @@ class EngineCore:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
+
+    def _check_logits(self) -> None:
+        """A first step on each compiled copy, from position 0 on the first blocks (no request has any yet): a
+        prompt of more than LARGE_STEP_TOKENS tokens (auto's bf16 copy, where there is one), 8 of its tokens (the
+        main copy) and one more token (with --fast-single-stream, the one-token copy, whose weights the CPU
+        plugin packs on first use: about 10 s for the Qwen3-4B shape, not on a user's first token). A model
+        whose logits are not all finite cannot serve, and would answer every request with the same token:
+        f16 activations gave NaN for every logit of SmolLM2 int8 on a CPU without native f16."""
+        length = min(LARGE_STEP_TOKENS + 1, self.runner.num_blocks * self.runner.block_size - 1)
+        prompt = [1 + i % min(1000, self.runner.vocab_size - 1) for i in range(length)]
+        blocks = list(range(-(-(length + 1) // self.runner.block_size)))
+        for tokens, start in ((prompt, 0), (prompt[:8], 0), (prompt[8:9], 8)):
+            logits = self.runner.execute([StepInput(tokens, start, blocks, 1)])
+            if not np.isfinite(logits).all():
+                raise ValueError(
+                    f"the model's logits are not finite (NaN or inf) with activations in "
+                    f"{self.runner.activation_precision} on this CPU: inference_precision "
+                    f"{self.config.inference_precision!r} cannot serve this model here; use 'auto' or 'f32'"
+                )
 
     def _measure_step_times(self, repeats: int = 2) -> None:
         """Give the cost table its first entries: a step of each size a request's drafts can make (1 to
