@@ -4,12 +4,14 @@ the engine loop."""
 
 import asyncio
 
+import numpy as np
 import pytest
 
 import service.engine.core as engine_core
 from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig
 from service.errors import EngineFailure
+from service.runner import StepInput
 from tests.test_engine import assert_no_blocks_held, collect, run
 
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -150,10 +152,6 @@ def test_an_engine_whose_logits_are_not_finite_refuses_to_start(smollm2_ir):
     """f16 activations overflow on SmolLM2 on a CPU without native f16 (every logit NaN): such an engine would
     answer every request with the same token, so start() fails, naming the setting. Where the plugin computes
     finite f16 logits the engine starts: which one holds is read off the runner itself."""
-    import numpy as np
-
-    from service.runner import StepInput
-
     engine = Engine(smollm2_ir, EngineConfig(kv_cache_gb=0.05, inference_precision="f16"))
     try:
         logits = engine.core.runner.execute([StepInput(list(range(1, 31)), 0, [0, 1], 1)])

@@ -250,7 +250,8 @@ class StepCost:
         seconds = self.seconds
         expected, added = options.expected, options.seconds
         if most is not None:
-            expected, added = expected[: max(most, 0) + 1], added[: max(most, 0) + 1]
+            count = max(most, 0) + 1
+            expected, added = expected[:count], added[:count]
         rates = [(self.produced + e - 1) / (seconds + s) for e, s in zip(expected, added, strict=True)]
         return max(range(len(rates)), key=rates.__getitem__)
 
