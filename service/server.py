@@ -120,7 +120,7 @@ class GenerationServicer:
 
     async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
         async with _Rpc(self.state.metrics, "Tokenize", context):
-            ids = tokenize_ids(self.state.require_engine().tokenizer, parsed(request))
+            ids = await asyncio.to_thread(tokenize_ids, self.state.require_engine().tokenizer, parsed(request))
         return pb.TokenizeResponse(token_ids=ids)
 
     async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfo:  # noqa: N802
@@ -147,7 +147,8 @@ class GenerationServicer:
                     check_label(label)  # before it is logged
                 call.request_id = label = label or uuid.uuid4().hex
                 engine = state.require_engine()
-                ids, field = prompt_input(engine.tokenizer, request)
+                # off the event loop, which serves every other call: a long prompt takes seconds to tokenize
+                ids, field = await asyncio.to_thread(prompt_input, engine.tokenizer, request)
                 params = sampling_params(request)
                 structure, calls = response_format(request), tools(request)
                 clock = TokenClock(state.metrics, started)

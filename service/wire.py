@@ -5,7 +5,6 @@ never sees them. The client (service/client.py) reads SAMPLING_FIELDS from here 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
+from service.core import json_input
 from service.core.grammar import ResponseFormat
 from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, ToolCallDelta, Usage
 from service.core.params import SamplingParams
@@ -176,10 +176,7 @@ def tools(request: pb.GenerateRequest | pb.TokenizeRequest) -> Tools | None:
 
 
 def json_object(text: str, field: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidArgument(field, f"not valid JSON ({type(exc).__name__})") from None
+    value = json_input.parse(text, field)
     if not isinstance(value, dict):
         raise InvalidArgument(field, "must be a JSON object")
     return value

@@ -225,5 +225,6 @@ def test_a_broken_matcher_reports_its_error_instead_of_raising(qwen, tiny_qwen3_
     matcher = qwen.matcher(ResponseFormat.choice(["yes"]))
     assert matcher.error == ""
     matcher.advance(hf.token_to_id("no"))
-    assert matcher.error
+    assert matcher.error and "\n" not in matcher.error and len(matcher.error) <= 300  # a line for the client
+    assert matcher.field == "response_format.choice"  # what the request's error names
     assert set(np.nonzero(allowed(matcher.masks(), VOCAB)[0])[0]) <= set(EOS)  # only eos: the reply can end

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -186,6 +187,64 @@ def test_hostile_bodies_get_clear_client_errors(server, sdk, model, body, header
     if "X-Request-Id" in headers:
         assert "X-Request-Id" not in reply.headers  # an invalid id is not echoed
     assert chat(sdk, model, max_tokens=2).usage.completion_tokens == 2  # the server goes on
+
+
+def test_a_tiny_temperature_or_penalty_answers_and_leaves_other_requests_alone(sdk, model):
+    # logits divided by 1e-300 overflowed and made the probabilities NaN: the step failed, and with it every
+    # request that shared it
+    greedy = chat(sdk, model, **GREEDY).choices[0].message.content
+    tiny_penalty = {"ignore_eos": True, "repetition_penalty": 1e-300}
+    with ThreadPoolExecutor(3) as pool:
+        beside = pool.submit(chat, sdk, model, **GREEDY)
+        tiny = [
+            pool.submit(chat, sdk, model, **GREEDY | {"temperature": 1e-300}),
+            pool.submit(chat, sdk, model, **GREEDY | {"temperature": 1.0, "extra_body": tiny_penalty}),
+        ]
+        assert beside.result().choices[0].message.content == greedy
+        assert tiny[0].result().choices[0].message.content == greedy  # the top token every time
+        assert tiny[1].result().usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+        ("completions", {"prompt": "a\udfffb"}, "prompt"),
+        ("completions", {"prompt": "hi", "stop": ["ok", "\ud800"]}, "stop[1]"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "x\ud800": 1}, "body"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "\ud800"}},
+            "structured_outputs.regex",
+        ),
+    ],
+)
+def test_lone_surrogates_are_bad_requests_naming_the_field(server, sdk, model, path, body, param):
+    # json.loads turns "\ud800" into a str that no tokenizer or encoder takes: it was a 500
+    text = json.dumps(body)  # ASCII: the surrogates go as \u escapes, as a client's JSON writer sends them
+    reply = httpx.post(f"{server.url}/v1/{path}", content=text, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and "surrogate" in error["message"]
+    assert chat(sdk, model, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_nesting_is_refused_where_it_goes_too_deep(server, sdk, model):
+    # nested just below the parser's limit, a body failed later, where it was serialized again (RecursionError)
+    deep = json.loads("[" * 900 + "]" * 900)
+    schema = {"type": "object", "properties": {"a": deep}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"json": schema}}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"].startswith("structured_outputs.json.properties.a[0][0]") and "64 levels" in error["message"]
+    arguments = json.dumps({"a": deep})  # a tool call's arguments are JSON text inside the body
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages}, timeout=TIMEOUT)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"].startswith("messages[1].tool_calls[0].function.arguments.a[0]")
+    assert chat(sdk, model, max_tokens=2).usage.completion_tokens == 2
 
 
 def test_request_ids_in_and_out(server):

@@ -119,6 +119,27 @@ def test_invalid_formats_are_400_naming_the_field(smol, kwargs, param):
     assert err.value.body["message"].startswith(param)
 
 
+def test_logprobs_of_tokens_a_grammar_rules_out_are_valid_json(smol):
+    # a grammar's masked tokens had logprob -inf: the unary reply failed to serialize (a plain-text 500, logged
+    # as 200) and the stream carried -Infinity, which is not JSON
+    running, sdk, model = smol
+    options = {
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "extra_body": {"structured_outputs": {"choice": ["yes"]}},
+    }
+    reply = sdk.chat.completions.create(model=model, messages=ASK, **options).choices[0]
+    assert reply.message.content == "yes"
+    entries = reply.logprobs.content
+    assert all(-9999.0 <= top.logprob <= 0 for e in entries for top in e.top_logprobs)
+    assert any(top.logprob == -9999.0 for e in entries for top in e.top_logprobs)  # the masked ones
+    chunks = list(sdk.chat.completions.create(model=model, messages=ASK, stream=True, **options))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.top_logprobs for e in streamed] == [e.top_logprobs for e in entries]
+
+
 def streamed_calls(chunks):
     """Every increment in order; checks that each call opens with id, type and name and that each prefix of
     its arguments is a prefix of the final arguments. Returns (calls by index, finish_reason)."""

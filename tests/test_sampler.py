@@ -6,7 +6,7 @@ import pytest
 from service.core.detokenizer import IncrementalDetokenizer
 from service.core.params import SamplingParams
 from service.core.request import Request
-from service.core.sampler import sample
+from service.core.sampler import LOGPROB_FLOOR, sample
 from service.errors import InvalidArgument
 
 V = 50
@@ -90,6 +90,28 @@ def test_logprobs_top_n():
     assert lp.top[0][0] == int(x.argmax()) == lp.token_id
     ref = x[0] - np.log(np.exp(x[0]).sum())
     assert lp.logprob == pytest.approx(float(ref.max()), abs=1e-4)
+
+
+def test_extreme_temperatures_and_penalties_sample_the_top_token_beside_other_requests():
+    # dividing logits by a temperature of 1e-300 overflowed to inf, and inf - inf made the probabilities NaN:
+    # the draw raised, and the whole step (every request in it) failed
+    x = logits_for(3, seed=6)
+    seen = int(np.argsort(x[1])[-2])  # the second most likely token of row 1, which the prompt holds
+    x[1, seen] = abs(x[1, seen]) + 1e-3  # positive: the penalty divides it
+    tiny_temperature = req(temperature=1e-300, seed=1)
+    tiny_penalty = req(prompt=(seen,), temperature=1.0, repetition_penalty=1e-300, seed=1)
+    out = sample(x.copy(), [tiny_temperature, tiny_penalty, req()])
+    assert out.token_ids == [int(x[0].argmax()), seen, int(x[2].argmax())]
+
+
+def test_logprobs_of_tokens_that_cannot_be_chosen_are_finite():
+    # JSON has no -inf: tokens a grammar or min_new_tokens rules out report LOGPROB_FLOOR
+    x = logits_for(1, seed=7)
+    x[0, 10:] = -np.inf
+    lp = sample(x.copy(), [req(logprobs=20)]).logprobs[0]
+    assert lp is not None and len(lp.top) == 20
+    assert all(np.isfinite(value) for _, value in lp.top)
+    assert [value for t, value in lp.top if t >= 10] == [LOGPROB_FLOOR] * 10
 
 
 @pytest.mark.parametrize(

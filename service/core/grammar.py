@@ -26,6 +26,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from service.core import json_input
 from service.errors import InvalidArgument
 
 MAX_SPEC_BYTES = 64 * 1024  # a schema, a regex, the choices or a tool grammar, as text
@@ -150,7 +151,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidArgument(fmt.field, f"not a valid {fmt.kind.value}: {_first_line(matcher.get_error())}")
-        return Matcher(matcher, self.vocab_size)
+        return Matcher(matcher, self.vocab_size, fmt.field)
 
     @staticmethod
     def _grammar(fmt: ResponseFormat, canonical: str) -> str:
@@ -176,8 +177,8 @@ def _canonical(fmt: ResponseFormat, sort_keys: bool) -> str:
     schema first compiled: JSON objects are unordered)."""
     if fmt.kind is not Kind.JSON_SCHEMA:
         return fmt.spec
+    schema = json_input.parse(fmt.spec, fmt.field)
     try:
-        schema = json.loads(fmt.spec)
         return json.dumps(json_schema_with_style(schema), sort_keys=sort_keys)
     except (ValueError, RecursionError) as exc:
         raise InvalidArgument(fmt.field, f"not a valid JSON schema: {_first_line(str(exc))}") from None
@@ -190,15 +191,16 @@ def _first_line(message: str) -> str:
 class Matcher:
     """A request's position in its grammar. Used by the engine thread only."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, field: str = "response_format") -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.field = field  # the request field the grammar came from, for errors
 
     @property
     def error(self) -> str:
-        """Why the matcher stopped working (a grammar limit hit while computing a mask or consuming a token);
-        empty while it works. A broken matcher fails its own request, never the step."""
-        return str(self._matcher.get_error()) if self._matcher.is_error() else ""
+        """Why the matcher stopped working (a grammar limit hit while computing a mask or consuming a token),
+        its first line; empty while it works. A broken matcher fails its own request, never the step."""
+        return _first_line(str(self._matcher.get_error())) if self._matcher.is_error() else ""
 
     @property
     def done(self) -> bool:

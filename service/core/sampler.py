@@ -28,6 +28,11 @@ from service.core.params import SamplingParams
 from service.core.request import Request
 from service.core.speculative import accept_greedy
 
+# The logprob reported for a token that cannot be chosen (a grammar or min_new_tokens rules it out, or a
+# penalty sent it below float32's range): JSON has no -inf, and OpenAI reports such tokens with this value.
+LOGPROB_FLOOR = -9999.0
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclass(frozen=True)
 class SampleResult:
@@ -116,8 +121,12 @@ def _apply_penalties(
         row[banned] = -np.inf
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(all_token_ids, dtype=np.int64))
-        vals = row[seen]
-        row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        vals = row[seen].astype(np.float64)  # a penalty below float32's smallest number is not 0 here
+        # a penalty far below 1 can lift a logit past float32's range: an inf would make the row's
+        # probabilities NaN (inf - inf), so the top is held at the largest finite value
+        with np.errstate(over="ignore"):
+            penalized = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        row[seen] = np.minimum(penalized, FLOAT32_MAX)
     if (p.presence_penalty or p.frequency_penalty) and output_token_ids:
         ids, counts = np.unique(np.asarray(output_token_ids, dtype=np.int64), return_counts=True)
         row[ids] -= p.presence_penalty + p.frequency_penalty * counts
@@ -125,7 +134,11 @@ def _apply_penalties(
 
 def _sample_row(row: np.ndarray, request: Request) -> int:
     p = request.params
-    scaled = row / p.temperature
+    # shifted before it is scaled, in float64: a tiny temperature then sends the other logits to -inf, where
+    # scaling first would send the top one to inf (and the probabilities to NaN), and in float32 a temperature
+    # below its smallest number would be 0
+    with np.errstate(over="ignore"):
+        scaled = (row - row.max()).astype(np.float64) / p.temperature
     if p.top_k and p.top_k < scaled.shape[0]:
         candidates = np.argpartition(scaled, -p.top_k)[-p.top_k :]
     else:
@@ -153,6 +166,6 @@ def _logprobs(row: np.ndarray, chosen: int, top_n: int) -> TokenLogprob:
     top = top[np.argsort(-shifted[top])]
     return TokenLogprob(
         token_id=chosen,
-        logprob=float(shifted[chosen] - log_z),
-        top=tuple((int(t), float(shifted[t] - log_z)) for t in top),
+        logprob=max(float(shifted[chosen] - log_z), LOGPROB_FLOOR),
+        top=tuple((int(t), max(float(shifted[t] - log_z), LOGPROB_FLOOR)) for t in top),
     )

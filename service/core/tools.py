@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from service.core import json_input
 from service.core.detokenizer import IncrementalDetokenizer
 from service.core.grammar import JSON_STYLE, Kind, ResponseFormat
 from service.core.outputs import ToolCallDelta
@@ -118,10 +119,7 @@ def joined_calls(deltas: Iterable[ToolCallDelta]) -> list[ToolCallDelta]:
 def template_call(call_id: str, name: str, arguments: str, where: str) -> dict[str, Any]:
     """An earlier tool call, sent back in a conversation, as chat templates take it: OpenAI's shape with the
     arguments parsed (templates write them back as JSON in the model's own style). where names it, for errors."""
-    try:
-        parsed = json.loads(arguments or "{}")
-    except (ValueError, RecursionError):
-        raise InvalidArgument(f"{where}.arguments", "must be a JSON object") from None
+    parsed = json_input.parse(arguments or "{}", f"{where}.arguments")
     if not isinstance(parsed, dict):
         raise InvalidArgument(f"{where}.arguments", "must be a JSON object")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}

@@ -456,7 +456,8 @@ class EngineCore:
         nothing else (the matcher then admits only eos, so the engine saw no invalid token)."""
         log.warning("request %d: its grammar failed: %.200s", request.id, error)  # may quote the client's schema
         self.scheduler.finish(request)
-        return self._error(request, InvalidArgument("response_format", f"the grammar failed mid-reply: {error}"))
+        field = request.matcher.field if request.matcher is not None else "response_format"
+        return self._error(request, InvalidArgument(field, f"the grammar failed mid-reply: {error}"))
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> None:
         log.error("engine step failed; failing its %d requests", len(requests), exc_info=exc)

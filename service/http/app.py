@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -26,6 +25,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
+from service.core import json_input
 from service.core.outputs import RequestOutput
 from service.core.request import SESSION_KEY, check_label, session_key
 from service.core.stats import ModelInfo
@@ -120,19 +120,10 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise TooLarge(f"the body is larger than the limit of {limit} bytes (--max-message-bytes)")
         chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks), parse_constant=_no_constant)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument("body", f"not valid JSON ({exc.msg} at character {exc.pos})") from None
-    except (ValueError, RecursionError) as exc:  # not UTF-8, a NaN, nesting deeper than the parser goes
-        raise InvalidArgument("body", f"not valid JSON ({type(exc).__name__})") from None
+    body = await asyncio.to_thread(json_input.parse, b"".join(chunks), "")  # its checks walk a large body
     if not isinstance(body, dict):
         raise InvalidArgument("body", "must be a JSON object")
     return body
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
 
 
 def prompt_ids(tokenizer: Tokenizer, call: openai.Call) -> tuple[list[int], str]:
@@ -283,7 +274,7 @@ class Api:
         engine = self.state.require_engine()
         call = parse(body, engine.info)
         check_model(call.model, engine.info)
-        ids, field = prompt_ids(engine.tokenizer, call)
+        ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, call)  # a long prompt takes seconds
         return engine, call, ids, field
 
     async def events(

@@ -407,7 +407,8 @@ def _seed(fields: Mapping[str, Any]) -> int | None:
 
 # -- JSON types --------------------------------------------------------------------------------------------
 def _kind(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+    """What a client sent, for errors. A field given as null, [] or {} counts as absent (_present)."""
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "nothing"}.get(
         type(value), "a number"
     )
 
