@@ -78,8 +78,10 @@ bench-memory: $(STAMP) $(MODEL)/manifest.json
 # The Qwen3-4B shape's cost curve (step time against tokens per step), opt-in: make bench-speculative-4b.
 # The second run is one stream with each prompt its own round: the median over prompt runs.
 bench-speculative: $(STAMP) $(MODEL)/manifest.json
-	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8,32 --out bench/results-speculative/results.json
-	$(PY) -m bench.speculative $(MODEL) --streams 1 --requests-per-stream 1 --rounds 16 --out bench/results-speculative/per-prompt-1.json
+	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8,32 --max-new-tokens 128 \
+		--out bench/results-speculative/results.json
+	$(PY) -m bench.speculative $(MODEL) --streams 1 --requests-per-stream 1 --rounds 16 --max-new-tokens 128 \
+		--out bench/results-speculative/per-prompt-1.json
 
 bench-speculative-4b: $(STAMP)
 	@test -f $(QWEN4B)/manifest.json || { echo "run make bench-4b first: it builds $(QWEN4B)"; exit 1; }
