@@ -199,7 +199,11 @@ class EngineCollector:
 
 def disk_tier_metrics(d: DiskTierStats):
     for name, doc, value in (
-        ("ovserve_kv_disk_enabled", "1 while the disk tier writes; 0 after the disk refused a write", d.enabled),
+        (
+            "ovserve_kv_disk_enabled",
+            "1 while the disk tier writes; 0 after the disk refused a write or stopped answering",
+            d.enabled,
+        ),
         ("ovserve_kv_disk_blocks", "KV blocks stored in the disk tier", d.num_blocks),
         ("ovserve_kv_disk_bytes", "Bytes stored in the disk tier", d.num_bytes),
     ):

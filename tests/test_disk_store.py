@@ -31,10 +31,10 @@ def test_write_read_and_chain(tmp_path):
     store = opened(tmp_path)
     for i in range(3):
         store.write(digest(i), bytes([i]) * 100)
-    assert bytes(store.read(digest(1))) == b"\x01" * 100
+    assert bytes(store.read(digest(1), 100)) == b"\x01" * 100
     assert store.count_chain([digest(0), digest(1), digest(2), digest(3)]) == 3
     assert store.count_chain([digest(5), digest(0)]) == 0
-    assert store.read(digest(9)) is None
+    assert store.read(digest(9), 100) is None
     assert store.num_blocks == 3 and store.num_bytes == 3 * (HEADER.size + 100)
 
 
@@ -53,8 +53,35 @@ def test_damaged_file_is_removed_not_loaded(tmp_path, damage):
     store.write(digest(0), b"x" * 1000)
     path = store.folder / (digest(0).hex() + ".kvb")
     path.write_bytes(damage(path.read_bytes()))
-    assert store.read(digest(0)) is None
+    assert store.read(digest(0), 1000) is None
     assert not path.exists() and digest(0) not in store and store.counters.num_corrupt == 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "larger", "folder"])
+def test_a_block_name_given_to_something_else_is_never_read(tmp_path, kind):
+    # replaced while the store runs: a pipe's read never returns (as a hung network mount's would), a symlink
+    # leads anywhere, and a large file would be read whole; each was read by its name before
+    store = opened(tmp_path)
+    store.write(digest(0), b"x" * 1000)
+    path = store.folder / (digest(0).hex() + ".kvb")
+    data = path.read_bytes()
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        (tmp_path / "elsewhere").write_bytes(data)
+        path.symlink_to(tmp_path / "elsewhere")
+    elif kind == "larger":
+        path.write_bytes(data + b"\0" * (1 << 20))
+    else:
+        path.mkdir()
+    result: list[object] = []
+    reader = threading.Thread(target=lambda: result.append(store.read(digest(0), 1000)), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert result == [None], "the read waited or returned something"
+    assert digest(0) not in store and store.counters.num_corrupt == 1
+    assert kind != "symlink" or (tmp_path / "elsewhere").read_bytes() == data  # a symlink's target is left alone
 
 
 def test_file_under_another_digest_is_not_loaded(tmp_path):
@@ -63,14 +90,14 @@ def test_file_under_another_digest_is_not_loaded(tmp_path):
     os.replace(store.folder / (digest(0).hex() + ".kvb"), store.folder / (digest(1).hex() + ".kvb"))
     store = opened(tmp_path)  # reindexed: the renamed file is listed under digest 1
     assert digest(1) in store
-    assert store.read(digest(1)) is None and store.counters.num_corrupt == 1
+    assert store.read(digest(1), 10) is None and store.counters.num_corrupt == 1
 
 
 def test_engines_of_different_identity_keep_apart(tmp_path):
     a, b = opened(tmp_path), opened(tmp_path, identity=hashlib.sha256(b"other").digest())
     a.write(digest(0), b"a")
-    assert digest(0) not in b and b.read(digest(0)) is None
-    assert bytes(a.read(digest(0))) == b"a"
+    assert digest(0) not in b and b.read(digest(0), 1) is None
+    assert bytes(a.read(digest(0), 1)) == b"a"
 
 
 def test_least_recently_used_go_first(tmp_path):
@@ -78,7 +105,7 @@ def test_least_recently_used_go_first(tmp_path):
     store = opened(tmp_path, capacity=3 * size)
     for i in range(3):
         store.write(digest(i), b"x" * 100)
-    store.read(digest(0))  # 0 is now the most recently used
+    store.read(digest(0), 100)  # 0 is now the most recently used
     store.write(digest(3), b"x" * 100)
     assert [digest(i) in store for i in range(4)] == [True, False, True, True]
     assert store.counters.num_evicted == 1 and store.num_bytes == 3 * size
@@ -119,14 +146,14 @@ def test_reopen_rebuilds_the_index_and_clears_leftovers(tmp_path):
     for i in range(4):
         store.write(digest(i), bytes([i]) * 10)
         time.sleep(0.01)  # distinct modification times: recency survives the restart
-    store.read(digest(0))
+    store.read(digest(0), 10)
     (store.folder / "half-written.kvb.tmp").write_bytes(b"junk")
     (store.folder / "notes.txt").write_text("not ours")
     (store.folder / (digest(7).hex().upper() + ".kvb")).write_text("not a name we write")
     again = opened(tmp_path, capacity=3 * (HEADER.size + 10))  # smaller: the oldest go at once
     assert [digest(i) in again for i in range(4)] == [True, False, True, True]
     assert not (again.folder / "half-written.kvb.tmp").exists()
-    assert bytes(again.read(digest(3))) == b"\x03" * 10
+    assert bytes(again.read(digest(3), 10)) == b"\x03" * 10
 
 
 def test_unusable_folder_raises(tmp_path):
@@ -245,6 +272,46 @@ def test_a_full_disk_turns_the_tier_off_with_one_warning(small_tmpfs, caplog):
     assert caplog.text.count("writing to") == 1
     assert 1 <= tier.store.counters.num_written < 8
     assert not list(small_tmpfs.rglob("*.tmp")), "a failed write leaves no temporary file"
+
+
+class HungDisk(DiskStore):
+    """A store on a disk that stops answering (a hung network mount) at one block: its read never returns."""
+
+    def __init__(self, *args, hangs_at: bytes) -> None:
+        super().__init__(*args)
+        self.hangs_at = hangs_at
+        self.released = threading.Event()
+
+    def read(self, digest, payload_bytes):
+        if digest == self.hangs_at:
+            self.released.wait()
+        return super().read(digest, payload_bytes)
+
+
+def test_a_disk_that_stops_answering_turns_the_tier_off_and_every_load_is_reported(tmp_path, caplog):
+    cache, reports = cache_arrays(), Reports()
+    store = HungDisk(tmp_path, IDENTITY, 1 << 20, hangs_at=digest(1))
+    tier = KVDiskTier(store, cache, reports, disk_timeout=0.5)
+    tier.start()
+    tier.save([(digest(i), i) for i in range(3)])
+    wait_written(store, 3)
+    tier.load(1, [digest(0), digest(1), digest(2)], [5, 6, 7])
+    tier.load(2, [digest(0)], [4])  # queued behind the hung read
+    deadline = time.monotonic() + 5
+    while len(reports.results) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first, second = reports.results
+    assert (first.request_id, first.num_loaded) == (1, 1)  # the blocks read before the disk stopped
+    assert (second.request_id, second.num_loaded) == (2, 0)  # ended at once, not after another timeout
+    assert not tier.enabled and not tier.writable and tier.count_chain([digest(0)]) == 0
+    assert caplog.text.count("has not answered") == 1
+    before = [a[6].copy() for a in cache]
+    store.released.set()  # the read returns at last: nothing is copied into blocks the engine took back
+    time.sleep(0.2)
+    assert all(a[6].tobytes() == b.tobytes() for a, b in zip(cache, before, strict=True))
+    started = time.monotonic()
+    tier.close(5)
+    assert time.monotonic() - started < 1
 
 
 def test_idle_blocks_expire_without_any_write(tmp_path):

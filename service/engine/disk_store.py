@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import re
+import stat
 import struct
 import tempfile
 import threading
@@ -189,16 +190,20 @@ class DiskStore:
             self.counters.num_written += 1
             self.counters.bytes_written += size
 
-    def read(self, digest: bytes) -> memoryview | None:
+    def read(self, digest: bytes, payload_bytes: int) -> memoryview | None:
         """The payload of a stored block, or None when it is missing or not exactly what was written for
-        this digest by this engine identity (then the file is removed)."""
+        this digest by this engine identity (then the file is removed). Only a regular file of a block's size
+        (payload_bytes and the header) is read: its name could have been given to a symlink, a pipe whose read
+        never returns, or a file of any size."""
         path = self._path(digest)
         try:
-            data = path.read_bytes()
+            data = _read_regular(path, HEADER.size + payload_bytes)
         except FileNotFoundError:
             self._forget(digest)
             return None
-        payload = self._check(data, digest)
+        except OSError:  # a symlink (O_NOFOLLOW), or the file cannot be opened: not this store's block
+            data = None
+        payload = None if data is None else self._check(data, digest)
         if payload is None:
             log.warning("kv disk tier: removing %s: truncated, corrupt or written by another engine", path.name)
             _remove(path)
@@ -214,7 +219,7 @@ class DiskStore:
                 entry.last_used = now
                 self._index.move_to_end(digest)
             self.counters.num_read += 1
-            self.counters.bytes_read += len(data)
+            self.counters.bytes_read += HEADER.size + len(payload)
         return payload
 
     def _check(self, data: bytes, digest: bytes) -> memoryview | None:
@@ -260,6 +265,26 @@ class DiskStore:
 def _digest_of(name: str) -> bytes | None:
     """The digest a block file's name spells, exactly as _path writes it; None for any other name."""
     return bytes.fromhex(name[:64]) if BLOCK_NAME.fullmatch(name) else None
+
+
+def _read_regular(path: Path, size: int) -> bytes | None:
+    """The file's bytes if it is a regular file of exactly size bytes, else None; never follows a symlink and
+    never waits on a pipe (O_NONBLOCK: opening one with no writer returns at once)."""
+    handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(handle)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            return None
+        chunks, left = [], size
+        while left > 0:
+            chunk = os.read(handle, left)
+            if not chunk:  # shrank while read
+                return None
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(handle)
 
 
 def _remove(path: Path) -> None:

@@ -15,7 +15,9 @@ request in the loading state, which no step touches until the load is reported d
 keeps stepping other requests meanwhile.
 
 A disk that refuses a write (full, read-only, gone) stops the writing with one warning; blocks already
-stored are still restored, and serving goes on.
+stored are still restored, and serving goes on. A disk that stops answering (a hung network mount: a read
+that never returns) turns the whole tier off: every file operation runs on a thread of its own and is
+waited for at most disk_timeout seconds, so a load is always reported and the blocks it holds are freed.
 
 Recency: a chain is only useful from its first block on, so whenever a chain is used (written, restored,
 or hit in RAM) its blocks are marked used from the last to the first, and the least recently used end of
@@ -24,20 +26,28 @@ the store always holds chain tails, never the heads that make them reachable.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import TypeVar
 
 import numpy as np
 
 from service.engine.disk_store import DiskStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
+# A block's read or write takes well under a millisecond on a local disk; one that has not returned in this
+# long means the disk stopped answering.
+DEFAULT_DISK_TIMEOUT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class KVDiskTier:
         cache: Sequence[np.ndarray],
         on_loaded: Callable[[LoadResult], None],
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        disk_timeout: float = DEFAULT_DISK_TIMEOUT_SECONDS,
     ) -> None:
         """cache: the KV cache tensors as arrays of [num_blocks, ...], in a fixed order."""
         self.store = store
@@ -88,9 +99,11 @@ class KVDiskTier:
         self.block_bytes = sum(a[0].nbytes for a in self.cache)
         self.on_loaded = on_loaded
         self.max_pending_bytes = max_pending_bytes
+        self.disk_timeout = disk_timeout
         self.counters = TierCounters()
-        self.enabled = False  # the store opened: restores work
+        self.enabled = False  # the store opened and the disk answers: restores work
         self.writable = False  # no write has failed yet
+        self._files = _FileThread()  # an operation that never returns blocks it, never the tier's own thread
         self._loads: deque[_Load] = deque()
         self._writes: deque[_Write] = deque()
         self._pending_bytes = 0
@@ -114,6 +127,7 @@ class KVDiskTier:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._files.stop()
         if self._writes:
             num_left = sum(len(w.digests) for w in self._writes)
             log.warning("kv disk tier: %d queued blocks not written at shutdown", num_left)
@@ -166,8 +180,9 @@ class KVDiskTier:
         while True:
             with self._wake:
                 while not (self._loads or self._writes or self._closing):
-                    if not self._wake.wait(sweep_every):
-                        self.store.evict(0)
+                    if not self._wake.wait(sweep_every) and self.enabled:
+                        with contextlib.suppress(TimeoutError):
+                            self._on_disk(self.store.evict, 0)
                 if self._loads:
                     job: _Load | _Write = self._loads.popleft()
                 elif self._writes:
@@ -190,12 +205,33 @@ class KVDiskTier:
                 with self._wake:
                     self._pending_bytes -= job.num_bytes
 
+    def _on_disk(self, operation: Callable[..., T], *args: object) -> T:
+        """operation(*args) on the file operations' thread, waited for at most disk_timeout seconds. A disk
+        that has not answered by then turns the tier off (TimeoutError), with one warning."""
+        future = self._files.submit(operation, *args)
+        try:
+            return future.result(self.disk_timeout)
+        except TimeoutError:
+            if self.enabled:
+                log.warning(
+                    "kv disk tier: %s has not answered for %.0f s; the tier is off (prefixes are computed, "
+                    "nothing more is written)",
+                    self.store.folder,
+                    self.disk_timeout,
+                )
+            self.enabled = self.writable = False
+            raise
+
     def _restore(self, load: _Load) -> LoadResult:
         start = time.perf_counter()
         num_loaded = 0
         for digest, block_id in zip(load.digests, load.block_ids, strict=True):
+            if not self.enabled:  # the disk stopped answering: loads queued behind it end at once
+                break
             try:
-                payload = self.store.read(digest)
+                payload = self._on_disk(self.store.read, digest, self.block_bytes)
+            except TimeoutError:
+                break
             except OSError as exc:
                 log.warning("kv disk tier: cannot read a block: %s", exc)
                 payload = None
@@ -220,7 +256,9 @@ class KVDiskTier:
         for i, digest in enumerate(write.digests):
             payload = b"".join(copy[i].tobytes() for copy in write.copies)
             try:
-                self.store.write(digest, payload)
+                self._on_disk(self.store.write, digest, payload)
+            except TimeoutError:
+                return
             except OSError as exc:
                 log.warning(
                     "kv disk tier: writing to %s failed: %s; no more writes (stored blocks are still restored)",
@@ -230,3 +268,31 @@ class KVDiskTier:
                 self.writable = False
                 return
         self.store.touch(write.digests)
+
+
+class _FileThread:
+    """A daemon thread that runs file operations in turn and hands back their results as futures. Daemon,
+    unlike a ThreadPoolExecutor's: the process must be able to exit while an operation never returns."""
+
+    def __init__(self) -> None:
+        self._jobs: SimpleQueue[tuple[Callable[..., object], tuple[object, ...], Future[object]] | None]
+        self._jobs = SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-disk-files", daemon=True)
+        self._thread.start()
+
+    def submit(self, operation: Callable[..., T], *args: object) -> Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((operation, args, future))  # type: ignore[arg-type]
+        return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            operation, args, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(operation(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
