@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from convert.errors import ConvertError
+from convert.errors import ConvertError, printable
 from convert.isolated import configure_logging
 
 
@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         convert(args.source, Path(args.output_dir), options, force=args.force)
         return 0
     except ConvertError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the files at hand (missing, unreadable, in the way): the user's to fix too
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: nothing was written to the output folder", file=sys.stderr)

@@ -12,13 +12,14 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from convert.errors import ConvertError
+from convert.errors import ConvertError, check_chat_template
 from convert.isolated import run_isolated
 
 log = logging.getLogger("convert")
@@ -43,7 +44,11 @@ class Options:
 
 
 def convert(source: str, output: Path, options: Options, force: bool = False) -> Path:
-    output = output.resolve()
+    try:
+        output = output.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise ConvertError(f"{output}: not a usable OUTPUT_DIR ({exc})") from None
+    _refuse_output_over_source(source, output)
     identity = {
         "source": source,
         "fingerprint": _fingerprint(source, options),
@@ -68,6 +73,8 @@ def convert(source: str, output: Path, options: Options, force: bool = False) ->
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(output)
         work = Path(tempfile.mkdtemp(prefix=f".{output.name}.{os.getpid()}.", suffix=".partial", dir=parent))
+        # mkdtemp makes it 0700, and it becomes the output: a server running as another user must read it
+        os.chmod(work, 0o777 & ~_umask())
     except OSError as exc:
         raise _os_error(exc, parent) from exc
     try:
@@ -90,16 +97,40 @@ def _os_error(exc: OSError, parent: Path) -> Exception:
         return _no_space(parent)
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return ConvertError(f"no write permission for {parent}: choose another OUTPUT_DIR or fix its permissions")
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST, errno.ELOOP, errno.ENAMETOOLONG):
+        return ConvertError(f"cannot create {parent} ({exc.strerror}): choose another OUTPUT_DIR")
     return exc
 
 
+def _refuse_output_over_source(source: str, output: Path) -> None:
+    """Replacing OUTPUT_DIR deletes it: it must not be the local source, or a folder holding it."""
+    with contextlib.suppress(OSError, RuntimeError):
+        local = Path(source).expanduser()
+        if local.exists():
+            local = local.resolve()
+            if output == local or output in local.parents:
+                raise ConvertError(
+                    f"{output} is the source or holds it: converting into it would delete the checkpoint; "
+                    "choose another OUTPUT_DIR"
+                )
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def remove_stale_partials(output: Path) -> None:
-    """Temporary folders left by a conversion that was killed (SIGKILL, power loss): their pid is gone."""
+    """Temporary folders left by a conversion that was killed (SIGKILL, power loss): their pid is gone. Only
+    this output's own (mkdtemp's random part has no dot): `.m.2507.<pid>.<random>.partial` is a live
+    conversion into m.2507, not one into m by process 2507."""
+    own = re.compile(rf"\.{re.escape(output.name)}\.(\d+)\.[^.]+\.partial")
     for stale in output.parent.glob(f".{output.name}.*.partial"):
-        try:
-            pid = int(stale.name[len(output.name) + 2 :].split(".", 1)[0])
-        except ValueError:
+        match = own.fullmatch(stale.name)
+        if match is None:
             continue
+        pid = int(match.group(1))
         if pid != os.getpid() and not _alive(pid):
             log.info("removing %s, left by an interrupted conversion", stale.name)
             shutil.rmtree(stale, ignore_errors=True)
@@ -141,10 +172,7 @@ def _export_and_verify(source: str, work: Path, options: Options, identity: dict
 def _convert_into(source: str, work: Path, options: Options, identity: dict) -> Path:
     """Export into work; returns the Hugging Face folder the export came from."""
     hf_dir, tokenizer_dir, quirks = _materialize(source, work / ".source", options)
-    config = json.loads((hf_dir / "config.json").read_text())
-    arch = config.get("model_type", "?")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConvertError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = _check_folder(hf_dir, tokenizer_dir).get("model_type", "?")
     log.info("exporting %s (%s) to OpenVINO, weights %s ...", source, arch, options.weight_format)
     started = time.time()
     from optimum.intel import OVModelForCausalLM
@@ -173,6 +201,41 @@ def _convert_into(source: str, work: Path, options: Options, identity: dict) -> 
     _write_tokenizer(tokenizer_dir, work, quirks, vocab_size)
     _write_manifest(work, identity, options, stats, vocab_size)
     return hf_dir
+
+
+def _check_folder(hf_dir: Path, tokenizer_dir: Path) -> dict:
+    """What the export and the tokenizer files need, checked before the export (minutes for a large model):
+    config.json an object of a supported architecture, weights present, the tokenizer's JSON files readable, the
+    chat template compiling.
+    Returns config.json."""
+    config = _json_file(hf_dir / "config.json")
+    if not isinstance(config, dict):
+        raise ConvertError(f"{hf_dir / 'config.json'} is not a JSON object")
+    arch = config.get("model_type", "?")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConvertError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    weights = [*hf_dir.glob("*.safetensors"), *hf_dir.glob("*.bin")]
+    if not weights:
+        raise ConvertError(f"{hf_dir} has no weights (*.safetensors or pytorch_model*.bin)")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_dir / name).exists():
+            value = _json_file(tokenizer_dir / name)
+            if not isinstance(value, dict):
+                raise ConvertError(f"{tokenizer_dir / name} is not a JSON object")
+            if name == "tokenizer_config.json" and isinstance(value.get("chat_template"), str):
+                check_chat_template(value["chat_template"], str(tokenizer_dir / name))
+    if (tokenizer_dir / "chat_template.jinja").exists():
+        check_chat_template(
+            (tokenizer_dir / "chat_template.jinja").read_text(), str(tokenizer_dir / "chat_template.jinja")
+        )
+    return config
+
+
+def _json_file(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConvertError(f"{path} is not valid JSON ({exc})") from None
 
 
 def _quantization_config(options: Options):
@@ -294,6 +357,7 @@ def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict, vocab_size: 
     if quirks.get("gguf"):
         config = _clean_gguf_tokenizer_config(config, work / "tokenizer.json")
     if template:
+        check_chat_template(template, str(tokenizer_dir))
         config["chat_template"] = template
         template_file.write_text(template)
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))

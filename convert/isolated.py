@@ -19,13 +19,23 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from convert.errors import ConvertError
+from convert.errors import ConvertError, printable
 
 _PR_SET_PDEATHSIG = 1
 
 
+class _PrintableFormatter(logging.Formatter):
+    """Messages with control characters escaped (they quote names and metadata from the files converted);
+    tracebacks, added after the message, keep their lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802
+        return printable(super().formatMessage(record))
+
+
 def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_PrintableFormatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     for noisy in ("nncf", "transformers", "torch", "optimum"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 

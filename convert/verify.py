@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from convert.contract import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
-from convert.errors import ConvertError
+from convert.errors import ConvertError, check_chat_template
 from convert.vocab import ir_vocab_rows, tokenizer_problems
 
 log = logging.getLogger("convert")
@@ -84,6 +84,9 @@ def verify(model_dir: Path, source_dir: Path | None = None, gguf: Path | None = 
     tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     if not tok_config.get("chat_template"):
         raise ConvertError(f"{model_dir / 'tokenizer_config.json'} has no chat_template")
+    check_chat_template(str(tok_config["chat_template"]), str(model_dir / "tokenizer_config.json"))
+    if (model_dir / "chat_template.jinja").exists():  # the server takes this file first
+        check_chat_template((model_dir / "chat_template.jinja").read_text(), str(model_dir / "chat_template.jinja"))
     eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
     if not isinstance(eos, int) and not (isinstance(eos, list) and eos and all(isinstance(e, int) for e in eos)):
         raise ConvertError(f"{model_dir / 'generation_config.json'} has no usable eos_token_id ({eos!r})")

@@ -3,7 +3,9 @@ absent stays absent, and an existing model (even with --force) keeps every byte.
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,77 @@ def test_corrupt_gguf(tmp_path: Path):
     _assert_clean_failure(run_cli("-m", "convert", str(bad), str(out), check=False), out, None, "GGUF")
     before = _existing_output(out)
     _assert_clean_failure(run_cli("-m", "convert", str(bad), str(out), "--force", check=False), out, before, "GGUF")
+
+
+def _damaged_copy(src: Path, where: Path, name: str, content: str | None) -> Path:
+    shutil.copytree(src, where)
+    if content is None:
+        (where / name).unlink()
+    else:
+        (where / name).write_text(content)
+    return where
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("config.json", "{not json", ["config.json", "not valid JSON"]),
+        ("config.json", "[1, 2]", ["config.json", "not a JSON object"]),
+        ("model.safetensors", None, ["no weights"]),
+        ("tokenizer.json", '{"model": {"vocab"', ["tokenizer.json", "not valid JSON"]),
+        ("chat_template.jinja", "{% for m in messages %}{{ m.content }", ["chat template", "does not compile"]),
+    ],
+    ids=["config-not-json", "config-not-object", "no-weights", "tokenizer-truncated", "template-broken"],
+)
+def test_a_damaged_source_folder_fails_in_one_line_before_the_export(tiny_qwen3_hf, tmp_path, name, content, words):
+    # each was a traceback (some only after the whole export had run), or, for the template, a model that
+    # converted and verified but that the server refused to load
+    src = _damaged_copy(tiny_qwen3_hf, tmp_path / "src", name, content)
+    out = tmp_path / "out"
+    _assert_clean_failure(run_cli("-m", "convert", str(src), str(out), check=False), out, None, *words)
+
+
+def test_the_source_or_a_folder_holding_it_is_never_the_output(tiny_qwen3_hf, tmp_path):
+    # --force replaced OUTPUT_DIR even when it was the checkpoint itself: the weights were deleted
+    src = tmp_path / "models" / "src"
+    shutil.copytree(tiny_qwen3_hf, src)
+    before = _snapshot(src)
+    for out in (src, src.parent):
+        result = run_cli("-m", "convert", str(src), str(out), "--force", check=False)
+        assert result.returncode == 2 and "would delete the checkpoint" in result.stderr, result.stderr[-2000:]
+        assert _snapshot(src) == before
+
+
+def test_an_output_dir_under_a_file_or_a_symlink_loop_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for out in (tmp_path / "file" / "out", tmp_path / "loop" / "out"):
+        result = run_cli("-m", "convert", str(tmp_path / "nope.gguf"), str(out), check=False)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_control_characters_from_the_input_are_escaped_in_the_error(tmp_path):
+    # names and GGUF metadata reach error lines: a terminal escape in them moved the cursor and faked lines
+    hostile = tmp_path / "x\x1b[2K\r\x1b[32mdone: /srv/models\x1b[0m\n.gguf"
+    result = run_cli("-m", "convert", str(hostile), str(tmp_path / "out"), check=False)
+    assert result.returncode == 2 and "\x1b" not in result.stderr and "\r" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no such file") and "\\x1b[32mdone" in last and "\\n.gguf" in last
+
+
+def test_a_conversion_never_removes_a_live_conversions_folder(tmp_path):
+    # the partial folder of a run into "m.2507" (".m.2507.<pid>.<random>.partial") was taken for one left by a
+    # run into "m" by process 2507, and removed under the live run
+    from convert.export import remove_stale_partials
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live = tmp_path / f".m.2507.{os.getpid()}.abcd1234.partial"
+    stale = tmp_path / f".m.{int(dead.stdout)}.efgh5678.partial"
+    for folder in (live, stale):
+        folder.mkdir()
+    remove_stale_partials(tmp_path / "m")
+    assert live.exists() and not stale.exists()
 
 
 def _mount_tmpfs(where: Path, options: str) -> bool:

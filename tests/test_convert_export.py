@@ -2,6 +2,7 @@
 idempotent re-run, refusal to overwrite a different model, and `python -m convert verify`."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,9 @@ def test_tiny_qwen3_int8_export(tiny_qwen3_ir: Path):
     assert {"openvino", "nncf", "optimum-intel", "transformers", "torch"} <= set(manifest["tools"])
     assert manifest["parameters"] > 0 and manifest["created"]
     assert manifest["vocab_size"] == 151936  # the IR's embedding rows; the tokenizer's 151,669 ids fit inside
+    umask = os.umask(0)
+    os.umask(umask)
+    assert tiny_qwen3_ir.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700: others may serve it
     model = ov.Core().read_model(tiny_qwen3_ir / "openvino_model.xml")
     names = {n for i in model.inputs for n in i.get_names()}
     assert {"input_ids", "attention_mask", "position_ids", "beam_idx"} <= names
@@ -121,6 +125,10 @@ def test_verify_cli_fails_clearly(tiny_qwen3_ir: Path, tmp_path: Path):
     (broken / "generation_config.json").write_text("{}")
     result = run_cli("-m", "convert", "verify", str(broken), "--no-compare", check=False)
     assert result.returncode == 2 and "eos_token_id" in result.stderr
+    shutil.copyfile(tiny_qwen3_ir / "generation_config.json", broken / "generation_config.json")
+    (broken / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")  # the server would refuse it
+    result = run_cli("-m", "convert", "verify", str(broken), "--no-compare", check=False)
+    assert result.returncode == 2 and "does not compile" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

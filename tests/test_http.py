@@ -316,10 +316,32 @@ def test_playground_and_probes_are_served(server):
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and "default-src 'self'" in page.headers["Content-Security-Policy"]
     assert 'src="static/playground.js"' in page.text and "http" not in page.text.split("<body>")[1]
-    assert httpx.get(server.url + "/static/playground.js").headers["content-type"].startswith("text/javascript")
+    script = httpx.get(server.url + "/static/playground.js")
+    assert script.headers["content-type"].startswith("text/javascript")
+    for response in (page, script):  # no other site may frame the page or its files
+        assert "frame-ancestors 'none'" in response.headers["Content-Security-Policy"]
+        assert response.headers["X-Frame-Options"] == "DENY" and response.headers["X-Content-Type-Options"] == "nosniff"
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert httpx.get(server.url + "/ready").json() == {"status": "ready"}
     assert httpx.get(server.url + "/nowhere").json()["error"]["code"] == "not_found"
+
+
+def test_pages_of_other_origins_cannot_make_the_server_generate(server):
+    # a page anywhere could POST text/plain (no preflight) to a server on its visitor's machine, which generated
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    host = server.url.removeprefix("http://")
+    plain = {"content-type": "text/plain"}
+    for origin in ("http://evil.example", "null", f"http://{host}.evil.example"):
+        reply = httpx.post(server.url + "/v1/chat/completions", content=body, headers=plain | {"origin": origin})
+        assert reply.status_code == 403 and reply.json()["error"]["code"] == "cross_origin", reply.text
+    own = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"origin": f"http://{host}"})
+    proxied = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=body,
+        headers={"origin": "https://chat.example.com", "x-forwarded-host": "chat.example.com"},
+    )
+    bare = httpx.post(server.url + "/v1/chat/completions", content=body)  # curl, SDKs: no Origin
+    assert [r.status_code for r in (own, proxied, bare)] == [200, 200, 200]
 
 
 def test_readme_curl_examples_run(server, model):

@@ -32,7 +32,7 @@ from service.core.stats import ModelInfo
 from service.engine import Engine
 from service.errors import InvalidArgument
 from service.http import openai, sse
-from service.http.errors import NotFound, TooLarge, Unauthenticated, error_body, status_of
+from service.http.errors import CrossOrigin, NotFound, TooLarge, Unauthenticated, error_body, status_of
 from service.metrics import Metrics, TokenClock
 from service.request_log import request_record
 from service.tokenizer import Tokenizer
@@ -45,12 +45,22 @@ log = logging.getLogger("service.http")
 REQUEST_ID_HEADER = "X-Request-Id"
 CLIENT_GONE = 499  # nginx's "client closed request": counted and logged, never sent
 MAX_SHOWN_CHARS = 200  # of a client's text quoted in a log line
-# The playground loads nothing but its own files: the browser enforces it.
+# The playground loads nothing but its own files, and no other site may frame it: the browser enforces both.
 PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
 }
 T = TypeVar("T")
+
+
+class PageFiles(StaticFiles):
+    """The playground's scripts and styles, with the page's headers."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(PAGE_HEADERS)
+        return response
 
 
 class ClientGone(Exception):
@@ -124,6 +134,21 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidArgument("body", "must be a JSON object")
     return body
+
+
+def refuse_other_origins(request: Request) -> None:
+    """A browser names the page that sent a request (Origin); any page may send a plain-text POST to a server on
+    the visitor's machine without asking first, and without a token the server would generate for it. Clients
+    that are not browsers send no Origin; the playground's is the server's own host (or, behind a proxy, the
+    host it forwards, which a page of another origin cannot set without the browser asking first). Without
+    CORS headers no other origin's page could read a reply anyway."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return
+    own = {request.headers.get("host"), request.headers.get("x-forwarded-host")} - {None}
+    if origin.partition("://")[2] not in own:
+        shown = origin[:MAX_SHOWN_CHARS].encode("ascii", "backslashreplace").decode()
+        raise CrossOrigin(f"a page of another origin ({shown}) cannot call this API from a browser")
 
 
 def prompt_ids(tokenizer: Tokenizer, call: openai.Call) -> tuple[list[int], str]:
@@ -267,6 +292,7 @@ class Api:
 
     async def prepare(self, request: Request, ex: Exchange, parse: Parse) -> tuple[Engine, openai.Call, list[int], str]:
         """Everything checked before the engine sees the request; the token before the body is read."""
+        refuse_other_origins(request)
         self.authorize(request)
         ex.request_id = request_label(request.headers)
         ex.session_id = session_key(request.headers.getlist(SESSION_KEY))
@@ -360,6 +386,6 @@ def build_app(state: ServerState, token: str | None, max_body_bytes: int) -> Sta
         Route("/ready", api.ready, methods=["GET"]),
         Route("/readyz", api.ready, methods=["GET"]),
         Route("/", api.playground, methods=["GET"]),
-        Mount("/static", StaticFiles(packages=[("service.http", "static")]), name="static"),
+        Mount("/static", PageFiles(packages=[("service.http", "static")]), name="static"),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: api.no_route})

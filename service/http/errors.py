@@ -19,6 +19,10 @@ class NotFound(ServiceError):
         self.param = param
 
 
+class CrossOrigin(ServiceError):
+    """A browser request from a page of another origin."""
+
+
 class TooLarge(ServiceError):
     """The request body is larger than --max-message-bytes."""
 
@@ -35,6 +39,7 @@ INTERNAL = Status(500, "server_error", "internal_error")
 STATUS_OF: dict[type[Exception], Status] = {
     InvalidArgument: Status(400, "invalid_request_error", "invalid_value"),
     Unauthenticated: Status(401, "authentication_error", "invalid_api_key"),
+    CrossOrigin: Status(403, "permission_error", "cross_origin"),
     NotFound: Status(404, "invalid_request_error", "not_found"),
     TooLarge: Status(413, "invalid_request_error", "request_too_large"),
     QueueFull: Status(429, "rate_limit_error", "queue_full"),
