@@ -1,12 +1,13 @@
 """Failure isolation on a real model: an exception at any stage of a step fails the requests of that step
-(INTERNAL), frees their blocks, and the engine goes on serving; a request that always fails cannot make
-the engine loop."""
+(INTERNAL), frees their blocks, and the engine goes on serving; one request's row that fails to sample fails
+that request alone; a request that always fails cannot make the engine loop."""
 
 import asyncio
 
 import numpy as np
 import pytest
 
+import service.core.sampler as sampler
 import service.engine.core as engine_core
 from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig
@@ -113,6 +114,32 @@ def test_requests_sharing_the_failed_step_fail_with_it_and_no_others(engine, mon
         )
 
     assert run(traffic()) == ["failed", "failed", "ok"]
+    assert_no_blocks_held(engine)
+
+
+def test_a_request_whose_row_fails_to_sample_fails_alone(engine, monkeypatch):
+    """Sampling is per request: a row that raises (no input is known to make one since extreme temperatures and
+    penalties are handled) ends its own request, while the step's other requests keep their tokens."""
+    real_penalties = sampler._apply_penalties
+
+    def penalties(row, params, output_token_ids, all_token_ids):
+        if all_token_ids[0] == POISON:
+            raise RuntimeError("injected row failure")
+        real_penalties(row, params, output_token_ids, all_token_ids)
+
+    monkeypatch.setattr(sampler, "_apply_penalties", penalties)
+    failed_steps = engine.stats().num_failed_steps
+    long = SamplingParams(max_new_tokens=60, ignore_eos=True)
+
+    async def traffic():
+        return await asyncio.gather(
+            outcome(engine, [5, 6, 7], params=long),  # decoding in the step where the poisoned row fails
+            outcome(engine, [POISON, 1, 2], delay=0.05),
+            outcome(engine, [8, 9], delay=0.05),
+        )
+
+    assert run(traffic()) == ["ok", "failed", "ok"]
+    assert engine.stats().num_failed_steps == failed_steps  # no step failed
     assert_no_blocks_held(engine)
 
 

@@ -38,6 +38,9 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # per request: why its row could not be sampled (then its token id means nothing), else None. A row that
+    # fails is its own request's failure: the others' rows, and the draws of their generators, stand.
+    errors: list[Exception | None] | None = None
 
 
 def sample(logits: np.ndarray, requests: Sequence[Request], masks: Sequence[np.ndarray | None] = ()) -> SampleResult:
@@ -48,20 +51,27 @@ def sample(logits: np.ndarray, requests: Sequence[Request], masks: Sequence[np.n
     if constrained:
         bits = allowed(np.concatenate([m for m in masks if m is not None]), logits.shape[-1])
         logits[constrained] = np.where(bits, logits[constrained], -np.inf)
+    errors: list[Exception | None] = [None] * len(requests)
     for row, request in enumerate(requests):
-        _apply_penalties(logits[row], request.params, request.output_token_ids, request.all_token_ids)
+        try:
+            _apply_penalties(logits[row], request.params, request.output_token_ids, request.all_token_ids)
+        except Exception as exc:
+            errors[row] = exc
     for i, row in enumerate(constrained):
         _keep_one_allowed(logits[row], bits[i])
     token_ids = np.argmax(logits, axis=-1)
+    logprobs: list[TokenLogprob | None] = [None] * len(requests)
     for row, request in enumerate(requests):
-        if not request.params.greedy:
-            token_ids[row] = _sample_row(logits[row], request)
-    chosen = [int(t) for t in token_ids]
-    logprobs = [
-        _logprobs(logits[row], chosen[row], r.params.logprobs) if r.params.logprobs else None
-        for row, r in enumerate(requests)
-    ]
-    return SampleResult(chosen, logprobs)
+        if errors[row] is not None:
+            continue
+        try:
+            if not request.params.greedy:
+                token_ids[row] = _sample_row(logits[row], request)
+            if request.params.logprobs:
+                logprobs[row] = _logprobs(logits[row], int(token_ids[row]), request.params.logprobs)
+        except Exception as exc:
+            errors[row] = exc
+    return SampleResult([int(t) for t in token_ids], logprobs, errors)
 
 
 def verify(rows: np.ndarray, request: Request, drafts: Sequence[int], masks: np.ndarray | None = None) -> SampleResult:

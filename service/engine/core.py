@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -419,18 +419,31 @@ class EngineCore:
         result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain], plain_masks)
         runs: list[list[int]] = [[] for _ in sampled]
         logprobs: list[list[TokenLogprob | None]] = [[] for _ in sampled]
-        for i, token_id, logprob in zip(plain, result.token_ids, result.logprobs, strict=True):
+        failed: dict[int, Exception] = {}  # by index into sampled: sampling its row raised
+        errors = result.errors or [None] * len(plain)
+        for i, token_id, logprob, error in zip(plain, result.token_ids, result.logprobs, errors, strict=True):
+            if error is not None:
+                failed[i] = error
             runs[i], logprobs[i] = [token_id], [logprob]
         for i, chunk in enumerate(sampled):
             if chunk.drafts:  # the k+1 rows of a verify chunk
                 rows = logits[ends[i] - chunk.num_logits : ends[i]]
-                run = verify(rows, chunk.request, chunk.drafts, masks[i])
+                try:
+                    run = verify(rows, chunk.request, chunk.drafts, masks[i])
+                except Exception as exc:
+                    failed[i] = exc
+                    continue
                 runs[i], logprobs[i] = run.token_ids, run.logprobs
         clock.lap("sample")
+        outputs = [self._sampling_failed(sampled[i].request, exc) for i, exc in failed.items()]
+        if failed:  # those requests are finished: the step's outcome is the others'
+            gone = {sampled[i].request.id for i in failed}
+            plan = replace(plan, chunks=[c for c in plan.chunks if c.request.id not in gone])
+            keep = [i for i in range(len(sampled)) if i not in failed]
+            sampled, runs, logprobs = [sampled[i] for i in keep], [runs[i] for i in keep], [logprobs[i] for i in keep]
         num_before = [c.request.num_output_tokens for c in sampled]
         self.scheduler.update(plan, runs)
         clock.lap("update")
-        outputs = []
         for chunk, n, run_logprobs in zip(sampled, num_before, logprobs, strict=True):
             matcher = chunk.request.matcher
             if matcher is not None and matcher.error:
@@ -458,6 +471,13 @@ class EngineCore:
         self.scheduler.finish(request)
         field = request.matcher.field if request.matcher is not None else "response_format"
         return self._error(request, InvalidArgument(field, f"the grammar failed mid-reply: {error}"))
+
+    def _sampling_failed(self, request: Request, exc: Exception) -> EngineOutput:
+        """Sampling one request's row raised (a bug: no input is known to make it): that request ends with an
+        error, and nothing else (the step's other requests keep their tokens)."""
+        log.error("request %d: sampling its tokens failed", request.id, exc_info=exc)
+        self.scheduler.finish(request)
+        return self._error(request, EngineFailure(f"sampling the reply failed: {exc}"))
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> None:
         log.error("engine step failed; failing its %d requests", len(requests), exc_info=exc)
