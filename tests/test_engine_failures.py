@@ -61,6 +61,15 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
             return real_sample(logits, requests, *masks)
 
         monkeypatch.setattr(engine_core, "sample", sample)
+    elif stage == "sample_row":
+        real_penalties = sampler._apply_penalties
+
+        def penalties(row, params, output_token_ids, all_token_ids):
+            if all_token_ids[0] == POISON:
+                raise RuntimeError("injected row failure")
+            real_penalties(row, params, output_token_ids, all_token_ids)
+
+        monkeypatch.setattr(sampler, "_apply_penalties", penalties)
     elif stage == "update":
         real_update = core.scheduler.update
 
@@ -102,9 +111,18 @@ def test_a_failing_stage_fails_its_step_only_and_the_engine_goes_on(engine, monk
     assert engine.stats().num_steps > steps
 
 
-def test_requests_sharing_the_failed_step_fail_with_it_and_no_others(engine, monkeypatch):
-    inject(monkeypatch, engine, "sample")
-    long = SamplingParams(max_new_tokens=2000, ignore_eos=True)
+@pytest.mark.parametrize(
+    ("stage", "expected", "steps"),
+    [("sample", ["failed", "failed", "ok"], 1), ("sample_row", ["ok", "failed", "ok"], 0)],
+    ids=["whole-sampler", "one-row"],
+)
+def test_a_failed_sampler_fails_its_step_and_a_failed_row_its_request(engine, monkeypatch, stage, expected, steps):
+    """A sampler that fails as a whole fails its step; one row that fails to sample (no input is known to make
+    one since extreme temperatures and penalties are handled) ends its own request, and the step's other
+    requests keep their tokens."""
+    inject(monkeypatch, engine, stage)
+    failed_steps = engine.stats().num_failed_steps
+    long = SamplingParams(max_new_tokens=300, ignore_eos=True)
 
     async def traffic():
         return await asyncio.gather(
@@ -113,33 +131,8 @@ def test_requests_sharing_the_failed_step_fail_with_it_and_no_others(engine, mon
             outcome(engine, [8, 9], delay=1.0),
         )
 
-    assert run(traffic()) == ["failed", "failed", "ok"]
-    assert_no_blocks_held(engine)
-
-
-def test_a_request_whose_row_fails_to_sample_fails_alone(engine, monkeypatch):
-    """Sampling is per request: a row that raises (no input is known to make one since extreme temperatures and
-    penalties are handled) ends its own request, while the step's other requests keep their tokens."""
-    real_penalties = sampler._apply_penalties
-
-    def penalties(row, params, output_token_ids, all_token_ids):
-        if all_token_ids[0] == POISON:
-            raise RuntimeError("injected row failure")
-        real_penalties(row, params, output_token_ids, all_token_ids)
-
-    monkeypatch.setattr(sampler, "_apply_penalties", penalties)
-    failed_steps = engine.stats().num_failed_steps
-    long = SamplingParams(max_new_tokens=60, ignore_eos=True)
-
-    async def traffic():
-        return await asyncio.gather(
-            outcome(engine, [5, 6, 7], params=long),  # decoding in the step where the poisoned row fails
-            outcome(engine, [POISON, 1, 2], delay=0.05),
-            outcome(engine, [8, 9], delay=0.05),
-        )
-
-    assert run(traffic()) == ["ok", "failed", "ok"]
-    assert engine.stats().num_failed_steps == failed_steps  # no step failed
+    assert run(traffic()) == expected
+    assert engine.stats().num_failed_steps == failed_steps + steps
     assert_no_blocks_held(engine)
 
 
