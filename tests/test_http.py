@@ -338,7 +338,7 @@ def test_pages_of_other_origins_cannot_make_the_server_generate(server):
     proxied = httpx.post(
         server.url + "/v1/chat/completions",
         content=body,
-        headers={"origin": "https://chat.example.com", "x-forwarded-host": "chat.example.com"},
+        headers={"origin": "https://chat.example.com", "x-forwarded-host": "chat.example.com, lb.internal"},
     )
     bare = httpx.post(server.url + "/v1/chat/completions", content=body)  # curl, SDKs: no Origin
     assert [r.status_code for r in (own, proxied, bare)] == [200, 200, 200]

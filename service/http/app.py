@@ -145,7 +145,8 @@ def refuse_other_origins(request: Request) -> None:
     origin = request.headers.get("origin")
     if origin is None:
         return
-    own = {request.headers.get("host"), request.headers.get("x-forwarded-host")} - {None}
+    forwarded = request.headers.get("x-forwarded-host", "")  # a list when proxies are chained
+    own = {request.headers.get("host"), *(host.strip() for host in forwarded.split(","))} - {None, ""}
     if origin.partition("://")[2] not in own:
         shown = origin[:MAX_SHOWN_CHARS].encode("ascii", "backslashreplace").decode()
         raise CrossOrigin(f"a page of another origin ({shown}) cannot call this API from a browser")
