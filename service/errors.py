@@ -27,3 +27,11 @@ class DeadlineExceeded(ServiceError):
 
 class EngineFailure(ServiceError):
     """An unexpected error while stepping the model failed this request; the engine keeps serving."""
+
+
+# A client's error message at most (both fronts): messages may quote what the client sent
+MAX_MESSAGE_CHARS = 1000
+
+
+def shorten(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "... (cut)"

@@ -4,11 +4,15 @@ never touches prometheus-client."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Callable
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from service.core.outputs import RequestOutput
@@ -24,6 +28,41 @@ EPP_ALIASES = {
     "ovserve_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
 }
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class MetricsHandler(WSGIRequestHandler):
+    """One scrape. A client that stops sending (or never reads) is cut off after `timeout` seconds: the metrics
+    port has no token and a thread per connection."""
+
+    timeout = 5.0
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not logged
+        pass
+
+
+class MetricsServer(ThreadingMixIn, WSGIServer):
+    """A thread per scrape, at most MAX_CONNECTIONS at once: connections beyond them are closed at once, so idle
+    clients cannot pile up threads in the server's process (with prometheus_client's own server each open
+    connection held a thread for as long as its client kept it open)."""
+
+    MAX_CONNECTIONS = 32
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(self.MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class Metrics:
@@ -61,7 +100,7 @@ class Metrics:
         )
         self._engine = EngineCollector()
         r.register(self._engine)
-        self._http: Any = None  # prometheus-client's WSGI server, once serving
+        self._http: Any = None  # the metrics port's MetricsServer, once serving
 
     def attach(self, engine) -> None:
         self._engine.engine = engine
@@ -91,7 +130,10 @@ class Metrics:
             self.queue.observe(output.timings.queue)
 
     def serve(self, port: int, host: str) -> None:
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server = type("MetricsServer", (MetricsServer,), {"address_family": family})
+        self._http = make_server(host, port, make_wsgi_app(self.registry), server, handler_class=MetricsHandler)
+        threading.Thread(target=self._http.serve_forever, name="metrics", daemon=True).start()
 
     def stop(self) -> None:
         if self._http is not None:

@@ -5,8 +5,8 @@ the model."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -18,11 +18,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
+from service.auth import bearer_matches
 from service.config import ServerConfig
 from service.core.outputs import RequestOutput
 from service.core.request import SESSION_KEY, check_label, session_key
 from service.engine import Engine
-from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
+from service.errors import (
+    DeadlineExceeded,
+    EngineFailure,
+    InvalidArgument,
+    QueueFull,
+    ServiceError,
+    Unavailable,
+    shorten,
+)
 from service.http import HttpServer
 from service.metrics import Metrics, TokenClock
 from service.request_log import request_record
@@ -71,9 +80,11 @@ def session_id(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None
 
 
 def status_details(exc: BaseException) -> str:
-    """Domain errors carry a message written for the client; anything else is not leaked in detail."""
+    """Domain errors carry a message written for the client, cut to MAX_MESSAGE_CHARS (a message may quote what
+    the client sent, and status details travel in gRPC metadata, which a client refuses beyond 8 KiB); anything
+    else is not leaked in detail."""
     if isinstance(exc, ServiceError):
-        return str(exc)
+        return shorten(str(exc))
     return f"internal error ({type(exc).__name__}); see the server log"
 
 
@@ -222,16 +233,22 @@ class _Rpc:
             log.info("request done", extra=extra)
 
 
+def check_key_pair(cert: str, key: str) -> None:
+    """ValueError naming both files when the key is not the certificate's (gRPC would only fail to bind)."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"--tls-cert {cert} and --tls-key {key} are not a certificate and its key: {exc}") from None
+
+
 # -- auth --------------------------------------------------------------------------------------------------
 def authorized(method: str, metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> bool:
     """Health checks are open so that probes work; everything else needs `authorization: Bearer <token>`."""
     if method.startswith(HEALTH_EXEMPT_PREFIX):
         return True
-    expected = f"Bearer {token}".encode()
     for key, value in metadata or ():
         if key == "authorization":
-            given = value if isinstance(value, bytes) else value.encode()
-            return hmac.compare_digest(given, expected)
+            return bearer_matches(value if isinstance(value, bytes) else value.encode(), token.encode())
     return False
 
 
@@ -278,6 +295,7 @@ class Server:
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         address = f"{config.host}:{config.port}"
         if config.tls_cert and config.tls_key:
+            check_key_pair(config.tls_cert, config.tls_key)
             key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
             self.port = self.grpc.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
         else:

@@ -65,7 +65,7 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if m.get("role") not in ROLES:
                 raise InvalidArgument(
-                    f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}"
+                    f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {str(m.get('role'))[:64]!r}"
                 )
         if self._template is None:
             raise InvalidArgument("messages", "this model has no chat template; send a raw prompt instead")

@@ -172,6 +172,10 @@ def test_error_table():
     assert status_of(ZeroDivisionError()) == grpc.StatusCode.INTERNAL
     assert status_details(InvalidArgument("top_p", "must be in (0, 1], got 2")) == "top_p: must be in (0, 1], got 2"
     assert "secret" not in status_details(RuntimeError("secret path /etc/x"))
+    # a message quoting a client's megabyte went whole into the log line and the status, which a gRPC client
+    # refuses beyond 8 KiB of metadata (RESOURCE_EXHAUSTED instead of the INVALID_ARGUMENT it was)
+    huge = status_details(InvalidArgument("messages[0].role", "got " + "R" * 1_000_000))
+    assert len(huge) < 1100 and huge.endswith("(cut)")
 
 
 # -- auth ------------------------------------------------------------------------------------------------
@@ -180,9 +184,56 @@ def test_authorized():
     assert authorized(gen, (("authorization", "Bearer t0k"),), "t0k")
     assert not authorized(gen, (("authorization", "Bearer nope"),), "t0k")
     assert not authorized(gen, (("authorization", "t0k"),), "t0k")
+    assert authorized(gen, (("authorization", "bearer t0k"),), "t0k")  # the scheme is case-insensitive
+    assert not authorized(gen, (("authorization", "Basic t0k"),), "t0k")
     assert not authorized(gen, (), "t0k") and not authorized(gen, None, "t0k")
     assert authorized("/grpc.health.v1.Health/Check", (), "t0k")
     assert not authorized("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (), "t0k")
+
+
+def test_a_tls_key_that_is_not_the_certificates_is_named_at_start(tmp_path):
+    # gRPC only said "Failed to bind to address" (the cause in a C-core log line before it)
+    from service.server import check_key_pair
+    from tests.test_server import self_signed_cert
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    key_a, cert_a = self_signed_cert(tmp_path / "a")
+    key_b, _ = self_signed_cert(tmp_path / "b")
+    check_key_pair(str(cert_a), str(key_a))
+    with pytest.raises(ValueError, match="--tls-cert .* and --tls-key .* are not a certificate and its key"):
+        check_key_pair(str(cert_a), str(key_b))
+
+
+# -- metrics port ----------------------------------------------------------------------------------------
+def test_the_metrics_port_cuts_off_idle_clients_and_caps_their_threads(monkeypatch):
+    # each connection held a thread for as long as its client kept it open, on a port without a token
+    import socket
+    import time
+
+    import httpx
+
+    from service.metrics import MetricsHandler, MetricsServer
+    from tests.test_server import free_port
+
+    monkeypatch.setattr(MetricsHandler, "timeout", 0.5)
+    metrics, port = Metrics(), free_port()
+    metrics.serve(port, "127.0.0.1")
+    try:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MetricsServer.MAX_CONNECTIONS + 20)]
+        for s in idle:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # the headers never end
+        time.sleep(0.3)
+        assert threading.active_count() - before <= MetricsServer.MAX_CONNECTIONS
+        time.sleep(1.0)  # past the timeout: every idle client was cut off
+        assert threading.active_count() - before <= 1
+        scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert scrape.status_code == 200 and "ovserve_" in scrape.text
+        for s in idle:
+            s.close()
+    finally:
+        metrics.stop()
 
 
 # -- logs ------------------------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ class Tools:
             if tool.parameters is not None and tool.parameters.get("type", "object") != "object":
                 raise InvalidArgument(f"tools[{i}].parameters", "must be the JSON schema of an object")
         if self.choice.mode is Mode.NAMED and self.choice.function not in seen:
-            raise InvalidArgument("tool_choice", f"names {self.choice.function!r}, which is not among the tools")
+            named = str(self.choice.function)[:64]
+            raise InvalidArgument("tool_choice", f"names {named!r}, which is not among the tools")
         if self.choice.mode in (Mode.REQUIRED, Mode.NAMED) and not self.tools:
             raise InvalidArgument("tool_choice", f"{self.choice.mode.value} needs tools")
 

@@ -9,7 +9,6 @@ aborts its request: closing the engine's stream frees its KV blocks within a ste
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -25,6 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
+from service.auth import bearer_matches
 from service.core import json_input
 from service.core.outputs import RequestOutput
 from service.core.request import SESSION_KEY, check_label, session_key
@@ -233,14 +233,14 @@ Parse = Callable[[Mapping[str, Any], ModelInfo], openai.Call]
 class Api:
     def __init__(self, state: ServerState, token: str | None, max_body_bytes: int) -> None:
         self.state, self.max_body_bytes = state, max_body_bytes
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.token = token.encode() if token else None
         self.created = int(time.time())
 
     def authorize(self, request: Request) -> None:
-        if self.expected is None:
+        if self.token is None:
             return
         given = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes
-        if not hmac.compare_digest(given, self.expected):
+        if not bearer_matches(given, self.token):
             raise Unauthenticated("missing or wrong bearer token (Authorization: Bearer <token>)")
 
     # -- generation --------------------------------------------------------------------------------------
