@@ -1,8 +1,18 @@
 """Domain errors raised by the engine and mapped to gRPC status codes in one table (service/server)."""
 
+# A client's error message at most (both fronts): messages may quote what the client sent
+MAX_MESSAGE_CHARS = 1000
+
 
 class ServiceError(Exception):
     """Base of every error the server translates into a status code."""
+
+    @property
+    def client_message(self) -> str:
+        """The message for the client, cut to MAX_MESSAGE_CHARS: it may quote what the client sent, and a gRPC
+        client refuses status details beyond 8 KiB."""
+        message = str(self)
+        return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "... (cut)"
 
 
 class InvalidArgument(ServiceError):
@@ -27,11 +37,3 @@ class DeadlineExceeded(ServiceError):
 
 class EngineFailure(ServiceError):
     """An unexpected error while stepping the model failed this request; the engine keeps serving."""
-
-
-# A client's error message at most (both fronts): messages may quote what the client sent
-MAX_MESSAGE_CHARS = 1000
-
-
-def shorten(message: str) -> str:
-    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "... (cut)"

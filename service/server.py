@@ -23,15 +23,7 @@ from service.config import ServerConfig
 from service.core.outputs import RequestOutput
 from service.core.request import SESSION_KEY, check_label, session_key
 from service.engine import Engine
-from service.errors import (
-    DeadlineExceeded,
-    EngineFailure,
-    InvalidArgument,
-    QueueFull,
-    ServiceError,
-    Unavailable,
-    shorten,
-)
+from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
 from service.http import HttpServer
 from service.metrics import Metrics, TokenClock
 from service.request_log import request_record
@@ -84,7 +76,7 @@ def status_details(exc: BaseException) -> str:
     the client sent, and status details travel in gRPC metadata, which a client refuses beyond 8 KiB); anything
     else is not leaked in detail."""
     if isinstance(exc, ServiceError):
-        return shorten(str(exc))
+        return exc.client_message
     return f"internal error ({type(exc).__name__}); see the server log"
 
 

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.errors import (
-    DeadlineExceeded,
-    EngineFailure,
-    InvalidArgument,
-    QueueFull,
-    ServiceError,
-    Unavailable,
-    shorten,
-)
+from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
 
 
 class Unauthenticated(ServiceError):
@@ -69,7 +61,7 @@ def error_body(exc: BaseException) -> dict[str, object]:
     leaked in detail."""
     status = status_of(exc)
     if isinstance(exc, ServiceError):
-        message = shorten(str(exc))  # it may quote what the client sent
+        message = exc.client_message  # it may quote what the client sent
     else:
         message = f"internal error ({type(exc).__name__}); see the server log"
     param = getattr(exc, "field", None) or getattr(exc, "param", None)
