@@ -25,11 +25,14 @@ _PR_SET_PDEATHSIG = 1
 
 
 class _PrintableFormatter(logging.Formatter):
-    """Messages with control characters escaped (they quote names and metadata from the files converted);
-    tracebacks, added after the message, keep their lines."""
+    """The values put into a message (names and metadata from the files converted) with control characters
+    escaped; the message's own text (a table of several lines) and tracebacks keep their lines."""
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802
-        return printable(super().formatMessage(record))
+    def format(self, record: logging.LogRecord) -> str:
+        if isinstance(record.args, tuple) and record.args:
+            record = logging.makeLogRecord(record.__dict__)
+            record.args = tuple(printable(str(a)) if isinstance(a, str | os.PathLike) else a for a in record.args or ())
+        return super().format(record)
 
 
 def configure_logging() -> None:

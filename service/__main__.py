@@ -83,10 +83,10 @@ def setup_logging(log_format: str) -> None:
 async def serve(config: ServerConfig) -> int:
     try:
         server = Server(config)
-    except (ValueError, OSError) as exc:  # the port is taken, the TLS files do not fit, the token file is empty
+        await server.start()  # binds the metrics port
+    except (ValueError, OSError) as exc:  # a port is taken, the TLS files do not fit, the token file is empty
         log.error("cannot start: %s", exc)
         return 1
-    await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,6 +32,11 @@ class ServerConfig:
     )
     tls_cert: str | None = setting(None, "TLS certificate chain (PEM); with --tls-key serves TLS only (gRPC and HTTP)")
     tls_key: str | None = setting(None, "TLS private key (PEM)")
+    allowed_origins: str = setting(
+        "",
+        "browser pages of other origins allowed to call the HTTP API, comma-separated (e.g. "
+        "https://app.example.com), or * for any; by default only the server's own host (its playground)",
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 

@@ -4,6 +4,7 @@ never touches prometheus-client."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -31,10 +32,27 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 
 
 
 class MetricsHandler(WSGIRequestHandler):
-    """One scrape. A client that stops sending (or never reads) is cut off after `timeout` seconds: the metrics
-    port has no token and a thread per connection."""
+    """One scrape. The metrics port has no token and a thread per connection, so a connection is closed
+    `lifetime` seconds after it opened, whatever its client does (a scrape takes milliseconds; a client sending
+    a byte every few seconds would outlast any per-read timeout), and a read waits at most `timeout`."""
 
     timeout = 5.0
+    lifetime = 10.0
+
+    def setup(self) -> None:
+        super().setup()
+        self.deadline = threading.Timer(self.lifetime, self.cut_off)
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def cut_off(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self.deadline.cancel()
+        with contextlib.suppress(OSError):  # the client may be gone, or cut off
+            super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not logged
         pass
@@ -63,6 +81,9 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client cut off or gone is no error of the server's (socketserver would print a traceback)."""
 
 
 class Metrics:

@@ -228,7 +228,8 @@ class _Rpc:
 def check_key_pair(cert: str, key: str) -> None:
     """ValueError naming both files when the key is not the certificate's (gRPC would only fail to bind)."""
     try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+        # no password: gRPC takes an unencrypted key only, and OpenSSL would ask for one on the terminal
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=lambda: b"")
     except (ssl.SSLError, OSError) as exc:
         raise ValueError(f"--tls-cert {cert} and --tls-key {key} are not a certificate and its key: {exc}") from None
 

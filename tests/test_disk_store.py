@@ -82,6 +82,32 @@ def test_a_block_name_given_to_something_else_is_never_read(tmp_path, kind):
     assert result == [None], "the read waited or returned something"
     assert digest(0) not in store and store.counters.num_corrupt == 1
     assert kind != "symlink" or (tmp_path / "elsewhere").read_bytes() == data  # a symlink's target is left alone
+    assert not path.exists() and not path.is_symlink()  # a folder too: a later write of the block must land
+    store.write(digest(0), b"x" * 1000)
+    assert bytes(store.read(digest(0), 1000)) == b"x" * 1000
+
+
+def test_a_block_the_disk_cannot_read_now_is_kept(tmp_path, monkeypatch):
+    # an error of the disk's (EIO, EMFILE, EACCES) is not the file's: it was removed as corrupt before
+    import errno
+
+    import service.engine.disk_store as disk_store
+
+    store = opened(tmp_path)
+    store.write(digest(0), b"x" * 100)
+    real_open = os.open
+
+    def failing_open(path, *args, **kwargs):
+        if str(path).endswith(".kvb"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_store.os, "open", failing_open)
+    with pytest.raises(OSError):
+        store.read(digest(0), 100)
+    monkeypatch.undo()
+    assert digest(0) in store and store.counters.num_corrupt == 0
+    assert bytes(store.read(digest(0), 100)) == b"x" * 100
 
 
 def test_file_under_another_digest_is_not_loaded(tmp_path):

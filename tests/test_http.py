@@ -344,6 +344,22 @@ def test_pages_of_other_origins_cannot_make_the_server_generate(server):
     assert [r.status_code for r in (own, proxied, bare)] == [200, 200, 200]
 
 
+def test_allowed_origins_let_named_pages_in():
+    from starlette.requests import Request
+
+    from service.http.app import refuse_other_origins
+    from service.http.errors import CrossOrigin
+
+    def request(origin):
+        return Request({"type": "http", "headers": [(b"origin", origin.encode()), (b"host", b"127.0.0.1:8000")]})
+
+    refuse_other_origins(request("https://app.example.com"), {"https://app.example.com"})
+    refuse_other_origins(request("https://anything.example"), {"*"})
+    refuse_other_origins(request("http://127.0.0.1:8000"), set())  # the server's own page
+    with pytest.raises(CrossOrigin):
+        refuse_other_origins(request("https://app.example.com.evil"), {"https://app.example.com"})
+
+
 def test_readme_curl_examples_run(server, model):
     """The README's HTTP examples, pointed at this server: every curl command must succeed."""
     readme = (ROOT / "README.md").read_text()

@@ -17,9 +17,11 @@ Thread-safe: the engine thread asks what is stored; the tier's I/O thread reads,
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
+import shutil
 import stat
 import struct
 import tempfile
@@ -201,12 +203,14 @@ class DiskStore:
         except FileNotFoundError:
             self._forget(digest)
             return None
-        except OSError:  # a symlink (O_NOFOLLOW), or the file cannot be opened: not this store's block
-            data = None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise  # EIO, EMFILE, EACCES: the disk's trouble, not the file's (the caller stops the restore)
+            data = None  # a symlink (O_NOFOLLOW): not this store's block
         payload = None if data is None else self._check(data, digest)
         if payload is None:
             log.warning("kv disk tier: removing %s: truncated, corrupt or written by another engine", path.name)
-            _remove(path)
+            _remove(path, folder_too=True)
             self._forget(digest)
             self.counters.num_corrupt += 1
             return None
@@ -287,6 +291,13 @@ def _read_regular(path: Path, size: int) -> bytes | None:
         os.close(handle)
 
 
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
+def _remove(path: Path, folder_too: bool = False) -> None:
+    """Remove a file; with folder_too, also a folder under a block's name (inside the store's own folder), which
+    a later write of that block could not replace."""
+    try:
         path.unlink()
+    except IsADirectoryError:
+        if folder_too:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass

@@ -103,7 +103,8 @@ class KVDiskTier:
         self.counters = TierCounters()
         self.enabled = False  # the store opened and the disk answers: restores work
         self.writable = False  # no write has failed yet
-        self._files = _FileThread()  # an operation that never returns blocks it, never the tier's own thread
+        self._files: _FileThread | None = None  # started with the tier: an operation that never returns blocks it
+        self._stuck: Future[object] | None = None  # the operation the disk has not answered
         self._loads: deque[_Load] = deque()
         self._writes: deque[_Write] = deque()
         self._pending_bytes = 0
@@ -118,6 +119,7 @@ class KVDiskTier:
             log.warning("kv disk tier off: cannot use %s: %s", self.store.folder, exc)
             return
         self.enabled = self.writable = True
+        self._files = _FileThread()
         self._thread.start()
 
     def close(self, timeout: float) -> None:
@@ -127,7 +129,8 @@ class KVDiskTier:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._files.stop()
+        if self._files is not None:
+            self._files.stop()
         if self._writes:
             num_left = sum(len(w.digests) for w in self._writes)
             log.warning("kv disk tier: %d queued blocks not written at shutdown", num_left)
@@ -178,17 +181,20 @@ class KVDiskTier:
         # writing): their files hold users' text
         sweep_every = self.store.ttl_seconds / 10 if self.store.ttl_seconds else None
         while True:
+            job: _Load | _Write | None = None
             with self._wake:
-                while not (self._loads or self._writes or self._closing):
-                    if not self._wake.wait(sweep_every) and self.enabled:
-                        with contextlib.suppress(TimeoutError):
-                            self._on_disk(self.store.evict, 0)
+                if not (self._loads or self._writes or self._closing):
+                    self._wake.wait(sweep_every)
                 if self._loads:
-                    job: _Load | _Write = self._loads.popleft()
+                    job = self._loads.popleft()
                 elif self._writes:
                     job = self._writes.popleft()
-                else:
+                elif self._closing:
                     return  # closing, and nothing left to write
+            if job is None:  # nothing came: the TTL's sweep, off the lock (the engine's save and load take it)
+                if sweep_every:
+                    self._sweep()
+                continue
             if isinstance(job, _Load):
                 try:
                     result = self._restore(job)
@@ -205,13 +211,26 @@ class KVDiskTier:
                 with self._wake:
                     self._pending_bytes -= job.num_bytes
 
+    def _sweep(self) -> None:
+        """Remove expired blocks. Their files hold users' text, so this goes on after writes stopped, and
+        after a disk that stopped answering answers again (restores and writes stay off until a restart)."""
+        if self._stuck is not None:
+            if not self._stuck.done():
+                return  # still not answering: another operation would only queue behind it
+            log.info("kv disk tier: %s answers again; expired blocks are swept", self.store.folder)
+            self._stuck = None
+        with contextlib.suppress(TimeoutError, OSError):
+            self._on_disk(self.store.evict, 0)
+
     def _on_disk(self, operation: Callable[..., T], *args: object) -> T:
         """operation(*args) on the file operations' thread, waited for at most disk_timeout seconds. A disk
         that has not answered by then turns the tier off (TimeoutError), with one warning."""
+        assert self._files is not None  # started with the tier
         future = self._files.submit(operation, *args)
         try:
             return future.result(self.disk_timeout)
         except TimeoutError:
+            self._stuck = future  # type: ignore[assignment]
             if self.enabled:
                 log.warning(
                     "kv disk tier: %s has not answered for %.0f s; the tier is off (prefixes are computed, "

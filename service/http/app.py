@@ -136,14 +136,15 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def refuse_other_origins(request: Request) -> None:
+def refuse_other_origins(request: Request, allowed: set[str]) -> None:
     """A browser names the page that sent a request (Origin); any page may send a plain-text POST to a server on
     the visitor's machine without asking first, and without a token the server would generate for it. Clients
     that are not browsers send no Origin; the playground's is the server's own host (or, behind a proxy, the
-    host it forwards, which a page of another origin cannot set without the browser asking first). Without
-    CORS headers no other origin's page could read a reply anyway."""
+    host it forwards, which a page of another origin cannot set without the browser asking first), and
+    --allowed-origins names others (a proxy that rewrites Host, an app or extension; * for any). Not a defence
+    against DNS rebinding, where the Host header is the attacker's name too."""
     origin = request.headers.get("origin")
-    if origin is None:
+    if origin is None or "*" in allowed or origin.rstrip("/") in allowed:
         return
     forwarded = request.headers.get("x-forwarded-host", "")  # a list when proxies are chained
     own = {request.headers.get("host"), *(host.strip() for host in forwarded.split(","))} - {None, ""}
@@ -231,8 +232,9 @@ Parse = Callable[[Mapping[str, Any], ModelInfo], openai.Call]
 
 
 class Api:
-    def __init__(self, state: ServerState, token: str | None, max_body_bytes: int) -> None:
+    def __init__(self, state: ServerState, token: str | None, max_body_bytes: int, allowed_origins: str = "") -> None:
         self.state, self.max_body_bytes = state, max_body_bytes
+        self.allowed_origins = {o.strip().rstrip("/") for o in allowed_origins.split(",")} - {""}
         self.token = token.encode() if token else None
         self.created = int(time.time())
 
@@ -293,7 +295,7 @@ class Api:
 
     async def prepare(self, request: Request, ex: Exchange, parse: Parse) -> tuple[Engine, openai.Call, list[int], str]:
         """Everything checked before the engine sees the request; the token before the body is read."""
-        refuse_other_origins(request)
+        refuse_other_origins(request, self.allowed_origins)
         self.authorize(request)
         ex.request_id = request_label(request.headers)
         ex.session_id = session_key(request.headers.getlist(SESSION_KEY))
@@ -375,8 +377,8 @@ class Api:
         return JSONResponse(body, status)
 
 
-def build_app(state: ServerState, token: str | None, max_body_bytes: int) -> Starlette:
-    api = Api(state, token, max_body_bytes)
+def build_app(state: ServerState, token: str | None, max_body_bytes: int, allowed_origins: str = "") -> Starlette:
+    api = Api(state, token, max_body_bytes, allowed_origins)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
