@@ -25,14 +25,11 @@ _PR_SET_PDEATHSIG = 1
 
 
 class _PrintableFormatter(logging.Formatter):
-    """The values put into a message (names and metadata from the files converted) with control characters
-    escaped; the message's own text (a table of several lines) and tracebacks keep their lines."""
+    """Messages with control characters escaped but for line breaks (they quote names from the files converted;
+    a table of several lines keeps its lines, and tracebacks, added after the message, are left as they are)."""
 
-    def format(self, record: logging.LogRecord) -> str:
-        if isinstance(record.args, tuple) and record.args:
-            record = logging.makeLogRecord(record.__dict__)
-            record.args = tuple(printable(str(a)) if isinstance(a, str | os.PathLike) else a for a in record.args or ())
-        return super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802
+        return "\n".join(printable(line) for line in super().formatMessage(record).split("\n"))
 
 
 def configure_logging() -> None:

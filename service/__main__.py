@@ -83,9 +83,14 @@ def setup_logging(log_format: str) -> None:
 async def serve(config: ServerConfig) -> int:
     try:
         server = Server(config)
-        await server.start()  # binds the metrics port
     except (ValueError, OSError) as exc:  # a port is taken, the TLS files do not fit, the token file is empty
         log.error("cannot start: %s", exc)
+        return 1
+    try:
+        await server.start()  # binds the metrics port, starts the HTTP server (its TLS context)
+    except (ValueError, OSError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
+        await server.drain(grace_seconds=0)  # what did start stops, and its ports are freed
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 
@@ -38,6 +39,24 @@ class ServerConfig:
         "https://app.example.com), or * for any; by default only the server's own host (its playground)",
     )
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def origins(text: str) -> set[str]:
+    """--allowed-origins as browsers send an Origin: scheme://host[:port] in lower case, without a default port
+    or a path (an extension's is chrome-extension://<id>); ValueError naming an entry that is not one ("*"
+    stands for any)."""
+    allowed = set()
+    for entry in (e.strip().lower().rstrip("/") for e in text.split(",")):
+        if not entry or entry == "*":
+            allowed.update({entry} - {""})
+            continue
+        match = re.fullmatch(r"([a-z][a-z0-9+.\-]*)://([a-z0-9.\-\[\]:]+?)(:\d+)?", entry)
+        if match is None:
+            raise ValueError(f"{entry!r} is not an origin (scheme://host[:port], without a path)")
+        scheme, host, port = match.groups()
+        default = {"http": ":80", "https": ":443"}.get(scheme)
+        allowed.add(f"{scheme}://{host}{'' if port in (None, default) else port}")
+    return allowed
 
 
 def flag_fields() -> list[Field]:
@@ -102,6 +121,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args["drain_grace_seconds"] < 0:
         p.error("--drain-grace-seconds must be >= 0")
+    try:
+        origins(args["allowed_origins"])
+    except ValueError as exc:
+        p.error(f"--allowed-origins: {exc}")
     engine = EngineConfig(**{f.name: args.pop(f.name) for f in fields(EngineConfig)})
     for problem in engine.problems():
         name, rest = problem.split(" ", 1)

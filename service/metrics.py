@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -83,7 +84,10 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client cut off or gone is no error of the server's (socketserver would print a traceback)."""
+        """A client cut off or gone is no error of the server's (socketserver would print a traceback); anything
+        else is reported as socketserver does."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
 
 class Metrics:

@@ -205,6 +205,40 @@ def test_a_tls_key_that_is_not_the_certificates_is_named_at_start(tmp_path):
         check_key_pair(str(cert_a), str(key_b))
 
 
+def test_allowed_origins_are_read_as_browsers_send_them():
+    from service.config import origins
+
+    given = "https://App.Example.com:443/, http://localhost:3000, chrome-extension://abc, http://x.org:80"
+    assert origins(given) == {
+        "https://app.example.com",
+        "http://localhost:3000",
+        "chrome-extension://abc",
+        "http://x.org",
+    }
+    assert origins("") == set() and origins("*") == {"*"}
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--allowed-origins", "https://app.example.com/chat"], env={})
+
+
+def test_a_server_that_cannot_start_says_why_and_frees_its_ports(caplog):
+    # a taken metrics port failed after gRPC had started and the HTTP port was bound: both stayed taken
+    import socket
+
+    from service.__main__ import serve
+    from tests.test_server import free_port
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    grpc_port, http_port = free_port(), free_port()
+    config = ServerConfig(model="m", port=grpc_port, http_port=http_port, metrics_port=taken.getsockname()[1])
+    try:
+        assert asyncio.run(serve(config)) == 1
+    finally:
+        taken.close()
+    assert "cannot start" in caplog.text
+    for port in (grpc_port, http_port):
+        socket.create_server(("127.0.0.1", port)).close()  # free again
+
+
 # -- metrics port ----------------------------------------------------------------------------------------
 def test_the_metrics_port_cuts_off_idle_clients_and_caps_their_threads(monkeypatch, capfd):
     # each connection held a thread for as long as its client kept it open, on a port without a token

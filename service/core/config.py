@@ -6,6 +6,7 @@ runner, the scheduler, the engine and bench/ read the same object.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,7 +115,10 @@ class EngineConfig:
             (self.max_queue >= 0, "max_queue must be >= 0"),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
             (self.kv_disk_gb > 0, "kv_disk_gb must be > 0"),
-            (self.kv_disk_ttl_seconds >= 0, "kv_disk_ttl_seconds must be >= 0 (0: no time limit)"),
+            (
+                0 <= self.kv_disk_ttl_seconds < math.inf,
+                "kv_disk_ttl_seconds must be >= 0 and finite (0: no time limit)",
+            ),
             (
                 not self.kv_disk_dir or self.enable_prefix_caching,
                 "kv_disk_dir needs prefix caching: it stores the prefix cache's blocks",

@@ -40,6 +40,7 @@ FORMAT_VERSION = 1
 # magic, version, identity (32 bytes), digest (32 bytes), payload length, payload CRC-32
 HEADER = struct.Struct("<8sI32s32sQI")
 SUFFIX = ".kvb"
+TRANSIENT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.EINTR, errno.ENOMEM)
 TEMP_SUFFIX = ".tmp"
 BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
 IDENTITY_FOLDER = re.compile(r"[0-9a-f]{32}")
@@ -205,7 +206,11 @@ class DiskStore:
             return None
         except OSError as exc:
             if exc.errno != errno.ELOOP:
-                raise  # EIO, EMFILE, EACCES: the disk's trouble, not the file's (the caller stops the restore)
+                # the disk's trouble, not the file's: the file stays (the caller stops the restore), and unless
+                # it may pass (out of file handles) the block is forgotten, so it is not asked for again and again
+                if exc.errno not in TRANSIENT_ERRORS:
+                    self._forget(digest)
+                raise
             data = None  # a symlink (O_NOFOLLOW): not this store's block
         payload = None if data is None else self._check(data, digest)
         if payload is None:

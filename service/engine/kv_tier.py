@@ -178,22 +178,25 @@ class KVDiskTier:
     # -- I/O thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         # with a TTL, expired blocks go even when nothing is written (an idle server, a tier that stopped
-        # writing): their files hold users' text
+        # writing): their files hold users' text. The sweep is due every tenth of the TTL, busy or not, and runs
+        # off the lock (the engine's save and load take it).
         sweep_every = self.store.ttl_seconds / 10 if self.store.ttl_seconds else None
+        next_sweep = time.monotonic() + (sweep_every or 0.0)
         while True:
             job: _Load | _Write | None = None
             with self._wake:
                 if not (self._loads or self._writes or self._closing):
-                    self._wake.wait(sweep_every)
+                    self._wake.wait(max(next_sweep - time.monotonic(), 0.0) if sweep_every else None)
                 if self._loads:
                     job = self._loads.popleft()
                 elif self._writes:
                     job = self._writes.popleft()
                 elif self._closing:
                     return  # closing, and nothing left to write
-            if job is None:  # nothing came: the TTL's sweep, off the lock (the engine's save and load take it)
-                if sweep_every:
-                    self._sweep()
+            if sweep_every and time.monotonic() >= next_sweep:
+                self._sweep()
+                next_sweep = time.monotonic() + sweep_every
+            if job is None:
                 continue
             if isinstance(job, _Load):
                 try:

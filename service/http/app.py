@@ -25,6 +25,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from service.auth import bearer_matches
+from service.config import origins
 from service.core import json_input
 from service.core.outputs import RequestOutput
 from service.core.request import SESSION_KEY, check_label, session_key
@@ -144,7 +145,7 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
     --allowed-origins names others (a proxy that rewrites Host, an app or extension; * for any). Not a defence
     against DNS rebinding, where the Host header is the attacker's name too."""
     origin = request.headers.get("origin")
-    if origin is None or "*" in allowed or origin.rstrip("/") in allowed:
+    if origin is None or "*" in allowed or origin in allowed:
         return
     forwarded = request.headers.get("x-forwarded-host", "")  # a list when proxies are chained
     own = {request.headers.get("host"), *(host.strip() for host in forwarded.split(","))} - {None, ""}
@@ -234,7 +235,7 @@ Parse = Callable[[Mapping[str, Any], ModelInfo], openai.Call]
 class Api:
     def __init__(self, state: ServerState, token: str | None, max_body_bytes: int, allowed_origins: str = "") -> None:
         self.state, self.max_body_bytes = state, max_body_bytes
-        self.allowed_origins = {o.strip().rstrip("/") for o in allowed_origins.split(",")} - {""}
+        self.allowed_origins = origins(allowed_origins)
         self.token = token.encode() if token else None
         self.created = int(time.time())
 
