@@ -43,10 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         convert(args.source, Path(args.output_dir), options, force=args.force)
         return 0
-    except ConvertError as exc:
-        print(f"error: {printable(str(exc))}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the files at hand (missing, unreadable, in the way): the user's to fix too
+    except (ConvertError, OSError) as exc:  # OSError: the files at hand (missing, unreadable, in the way)
         print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

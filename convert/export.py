@@ -357,7 +357,6 @@ def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict, vocab_size: 
     if quirks.get("gguf"):
         config = _clean_gguf_tokenizer_config(config, work / "tokenizer.json")
     if template:
-        check_chat_template(template, str(tokenizer_dir))
         config["chat_template"] = template
         template_file.write_text(template)
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))

@@ -164,7 +164,7 @@ def tools(request: pb.GenerateRequest | pb.TokenizeRequest) -> Tools | None:
     for i, t in enumerate(request.tools):
         parameters = None
         if t.HasField("parameters"):
-            parameters = json_object(t.parameters, f"tools[{i}].parameters")
+            parameters = json_input.parse_object(t.parameters, f"tools[{i}].parameters")
         tools.append(Tool(t.name, t.description, parameters))
     c = request.tool_choice
     mode = Mode.NAMED if c.HasField("function") else TOOL_CHOICE_MODES.get(c.mode)
@@ -173,13 +173,6 @@ def tools(request: pb.GenerateRequest | pb.TokenizeRequest) -> Tools | None:
     parallel = c.parallel if c.HasField("parallel") else True
     choice = ToolChoice(mode, c.function if c.HasField("function") else None, parallel)
     return Tools(tuple(tools), choice)
-
-
-def json_object(text: str, field: str) -> dict[str, Any]:
-    value = json_input.parse(text, field)
-    if not isinstance(value, dict):
-        raise InvalidArgument(field, "must be a JSON object")
-    return value
 
 
 def refuse_tools_without_messages(calls: Tools | None) -> None:

@@ -31,6 +31,14 @@ def parse(text: str | bytes, field: str) -> Any:
     return value
 
 
+def parse_object(text: str | bytes, field: str) -> dict[str, Any]:
+    """parse(), and InvalidArgument naming field when the value is not a JSON object."""
+    value = parse(text, field)
+    if not isinstance(value, dict):
+        raise InvalidArgument(field or "body", "must be a JSON object")
+    return value
+
+
 def check(value: Any, field: str) -> None:
     """InvalidArgument naming the place (field, "" for the body, then the path inside it) of the first array or
     object nested deeper than MAX_DEPTH, or the first string (keys too) holding a lone UTF-16 surrogate."""

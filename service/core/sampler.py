@@ -18,7 +18,7 @@ so a seeded reply does not depend on what was proposed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,7 +40,7 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
     # per request: why its row could not be sampled (then its token id means nothing), else None. A row that
     # fails is its own request's failure: the others' rows, and the draws of their generators, stand.
-    errors: list[Exception | None] | None = None
+    errors: list[Exception | None] = field(default_factory=list)  # sample(): one per request; verify(): none
 
 
 def sample(logits: np.ndarray, requests: Sequence[Request], masks: Sequence[np.ndarray | None] = ()) -> SampleResult:

@@ -120,9 +120,7 @@ def joined_calls(deltas: Iterable[ToolCallDelta]) -> list[ToolCallDelta]:
 def template_call(call_id: str, name: str, arguments: str, where: str) -> dict[str, Any]:
     """An earlier tool call, sent back in a conversation, as chat templates take it: OpenAI's shape with the
     arguments parsed (templates write them back as JSON in the model's own style). where names it, for errors."""
-    parsed = json_input.parse(arguments or "{}", f"{where}.arguments")
-    if not isinstance(parsed, dict):
-        raise InvalidArgument(f"{where}.arguments", "must be a JSON object")
+    parsed = json_input.parse_object(arguments or "{}", f"{where}.arguments")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
 
 

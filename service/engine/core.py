@@ -420,8 +420,7 @@ class EngineCore:
         runs: list[list[int]] = [[] for _ in sampled]
         logprobs: list[list[TokenLogprob | None]] = [[] for _ in sampled]
         failed: dict[int, Exception] = {}  # by index into sampled: sampling its row raised
-        errors = result.errors or [None] * len(plain)
-        for i, token_id, logprob, error in zip(plain, result.token_ids, result.logprobs, errors, strict=True):
+        for i, token_id, logprob, error in zip(plain, result.token_ids, result.logprobs, result.errors, strict=True):
             if error is not None:
                 failed[i] = error
             runs[i], logprobs[i] = [token_id], [logprob]

@@ -131,10 +131,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise TooLarge(f"the body is larger than the limit of {limit} bytes (--max-message-bytes)")
         chunks.append(chunk)
-    body = await asyncio.to_thread(json_input.parse, b"".join(chunks), "")  # its checks walk a large body
-    if not isinstance(body, dict):
-        raise InvalidArgument("body", "must be a JSON object")
-    return body
+    return await asyncio.to_thread(json_input.parse_object, b"".join(chunks), "")  # its checks walk a large body
 
 
 def refuse_other_origins(request: Request, allowed: set[str]) -> None:
@@ -142,7 +139,7 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
     the visitor's machine without asking first, and without a token the server would generate for it. Clients
     that are not browsers send no Origin; the playground's is the server's own host (or, behind a proxy, the
     host it forwards, which a page of another origin cannot set without the browser asking first), and
-    --allowed-origins names others (a proxy that rewrites Host, an app or extension; * for any). Not a defence
+    --allowed-origins names others (a proxy that rewrites Host, a browser extension; * for any). Not a defence
     against DNS rebinding, where the Host header is the attacker's name too."""
     origin = request.headers.get("origin")
     if origin is None or "*" in allowed or origin in allowed:
