@@ -17,6 +17,8 @@ median of those is the answer. Knobs:
 - kernel_cache_shapes: the CPU plugin's own runtime-cache size (5000 step shapes) vs ours (64), under
   Poisson arrivals, whose varied prompt chunks make many shapes. oneDNN's primitive cache size is one per
   process, set by the first engine (A), so only the plugin's cache differs between the two.
+- prompt_chunk_tokens: prompts cut wherever the budget ends (as before) vs at multiples of half the budget
+  (the default, 256 tokens), under Poisson arrivals and a burst: the cost of cutting prompts at fixed places;
 - inference_precision: bf16 (the CPU plugin's own default on CPUs with AVX512_BF16 or AMX) vs ours (f32).
 """
 
@@ -46,6 +48,7 @@ KNOBS: dict[str, tuple[dict, dict]] = {
     ),
     "fast_single_stream": ({}, {"fast_single_stream": True}),
     "kernel_cache_shapes": ({"kernel_cache_shapes": 5000}, {"kernel_cache_shapes": workers.BUDGET.kernel_cache_shapes}),
+    "prompt_chunk_tokens": ({"prompt_chunk_tokens": 0}, {}),
     "inference_precision": (
         {"inference_precision": "bf16"},
         {"inference_precision": workers.BUDGET.inference_precision},
@@ -55,6 +58,7 @@ ARRIVAL_KNOBS = (
     "batch_window_ms",
     "max_num_batched_tokens",
     "kernel_cache_shapes",
+    "prompt_chunk_tokens",
 )  # measured under staggered arrivals
 
 

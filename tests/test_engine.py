@@ -394,3 +394,41 @@ def test_int4_weights_are_served_as_the_stateful_ir_runs_them(tiny_qwen3_int4_ir
             assert tokens == reference.greedy(p, NEW)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("pieces", [None, 0])
+def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir, pieces):
+    """int8 weights, a u8 cache and auto precision, as served: a prompt computed alone and beside six
+    decoding requests gets the same first-token log-probabilities to the bit, because its pieces end at
+    the same multiples of prompt_chunk_tokens (default: half the budget) whatever room the others leave.
+    Cut wherever the budget ends (0), the keys at the cut are computed in another piece and the
+    log-probabilities move (showing the test can tell)."""
+    config = EngineConfig(
+        kv_cache_gb=0.02,
+        max_num_batched_tokens=128,
+        max_num_seqs=8,
+        prompt_chunk_tokens=pieces,
+        enable_prefix_caching=False,  # the prompt is computed twice
+    )
+    engine = Engine(tiny_qwen3_ir, config)
+    engine.start()
+    try:
+        prompt = [random.Random(21).randrange(100, 150_000) for _ in range(150)]  # pieces of 64, 64 and 22
+        first = SamplingParams(max_new_tokens=1, logprobs=5)
+        others = [p[:20] for p in prompts(6, seed=22)]
+
+        async def beside_decoders():
+            decoding = SamplingParams(max_new_tokens=60, ignore_eos=True)
+            busy = [asyncio.create_task(collect(engine, p, decoding)) for p in others]
+            while engine.stats().num_running < len(others) or engine.stats().num_waiting:
+                await asyncio.sleep(0.001)
+            result = await _all_logprobs(engine, prompt, first)
+            await asyncio.gather(*busy)
+            return result
+
+        alone = run(_all_logprobs(engine, prompt, first))
+        busy = run(beside_decoders())
+        assert len(alone) == len(busy) == 1
+        assert (alone == busy) == (pieces is None), (alone, busy)
+    finally:
+        engine.shutdown()

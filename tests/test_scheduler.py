@@ -13,9 +13,11 @@ from service.core.scheduler import Scheduler
 BS = 4
 
 
-def make(num_blocks=64, max_num_seqs=4, budget=16, max_model_len=256, prefix=True):
+def make(num_blocks=64, max_num_seqs=4, budget=16, max_model_len=256, prefix=True, piece=0):
+    """piece: prompt_chunk_tokens, 0 (pieces as large as the budget allows) unless a test is about it."""
     kv = KVCacheManager(num_blocks, BS, prefix)
-    return Scheduler(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv, max_model_len)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prompt_chunk_tokens=piece)
+    return Scheduler(config, kv, max_model_len)
 
 
 IDS = itertools.count()
@@ -40,6 +42,39 @@ def test_chunked_prefill_splits_long_prompt_and_completes():
     assert sizes == [16, 16, 8]
     assert r.num_output_tokens == 1
     assert step(s).chunks[0].num_tokens == 1  # decode
+
+
+def prompt_cuts(piece: int, decoding: int) -> list[int]:
+    """Where a 30-token prompt's pieces end, computed beside `decoding` requests that decode in every step."""
+    s = make(budget=16, max_num_seqs=8, piece=piece)
+    for i in range(decoding):
+        s.add(request(f"o{i}", 1, start=1000 * (i + 1), max_new_tokens=50))
+    step(s)
+    r = request("r", 30)
+    s.add(r)
+    ends = []
+    while r.num_output_tokens == 0:
+        step(s)
+        ends.append(r.num_computed_tokens)
+    return ends
+
+
+def test_prompts_are_cut_at_the_same_places_however_busy_the_step():
+    assert prompt_cuts(8, decoding=0) == prompt_cuts(8, decoding=3) == [8, 16, 24, 30]
+    assert prompt_cuts(0, decoding=0) == [16, 30]  # wherever the budget ends
+    assert prompt_cuts(0, decoding=3) == [13, 26, 30]
+
+
+def test_a_piece_cut_short_by_the_budget_ends_at_the_next_multiple():
+    # 10 tokens of room: the first piece is cut short, the next ends on a multiple of 12 again
+    assert prompt_cuts(12, decoding=6) == [10, 12, 22, 24, 30]
+
+
+def test_prompt_pieces_default_to_half_the_budget():
+    assert EngineConfig(max_num_batched_tokens=512).prompt_piece_tokens == 256
+    assert EngineConfig(max_num_batched_tokens=1).prompt_piece_tokens == 1
+    assert EngineConfig(prompt_chunk_tokens=0).prompt_piece_tokens == 0
+    assert "prompt_chunk_tokens must be >= 0" in " ".join(EngineConfig(prompt_chunk_tokens=-1).problems())
 
 
 def test_prefill_chunks_mix_with_decode_tokens():
@@ -198,7 +233,9 @@ class FakeDisk:
 
 def with_disk(disk: FakeDisk, num_blocks: int = 64, max_num_seqs: int = 4) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, True)
-    return Scheduler(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16), kv, 256, disk=disk)
+    return Scheduler(
+        EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16, prompt_chunk_tokens=0), kv, 256, disk=disk
+    )
 
 
 def digests_of(s: Scheduler, r: Request) -> list[bytes]:

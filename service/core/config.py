@@ -49,6 +49,20 @@ class EngineConfig:
     )
     max_num_seqs: int = setting(32, "requests generated together at most")
     max_num_batched_tokens: int = setting(512, "tokens per engine step at most (prompt chunks and decode tokens)")
+    prompt_chunk_tokens: int | None = setting(
+        None,
+        "prompts are computed in pieces that end at multiples of this many tokens, so where a prompt is cut "
+        "(and so its KV cache and greedy reply) does not depend on what else shares its steps (default: half "
+        "of max_num_batched_tokens, leaving room for decode tokens; 0: pieces as large as the budget allows)",
+    )
+
+    @property
+    def prompt_piece_tokens(self) -> int:
+        """prompt_chunk_tokens with its default applied (0: no fixed places)."""
+        if self.prompt_chunk_tokens is None:
+            return max(1, self.max_num_batched_tokens // 2)
+        return self.prompt_chunk_tokens
+
     max_model_len: int | None = setting(None, "context limit (default: the model's, capped by what the KV cache holds)")
     chat_template: str | None = setting(
         None,
@@ -111,6 +125,10 @@ class EngineConfig:
             (self.dq_group_size is None or self.dq_group_size >= 0, "dq_group_size must be >= 0 (0 turns it off)"),
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+            (
+                self.prompt_chunk_tokens is None or self.prompt_chunk_tokens >= 0,
+                "prompt_chunk_tokens must be >= 0 (0: pieces as large as the budget allows)",
+            ),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),

@@ -127,6 +127,7 @@ class Scheduler:
         # a step's fixed cost in units of one token's work: the engine feeds it the times of its steps
         self.step_times = step_times or StepTimes()
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prompt_piece_tokens = config.prompt_piece_tokens
         self.max_model_len = max_model_len
         self.kv = kv
         self.requests: dict[int, Request] = {}  # every request not finished, by id
@@ -252,7 +253,7 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._piece(request, request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, plan):
                 continue
             drafts = chosen_drafts.get(request.id, ())[: budget - num_new] if num_new == 1 else ()
@@ -266,6 +267,16 @@ class Scheduler:
         if not plan.preempted:
             self._admit_waiting(budget, plan)
         return plan
+
+    def _piece(self, request: Request, start: int, budget: int) -> int:
+        """How many tokens from `start` a request computes this step: up to the next multiple of
+        prompt_piece_tokens, so a prompt is cut at the same places however busy the step is. Keys computed
+        in the same piece attend to each other before they are stored in the cache's precision, and the
+        attention takes another path for them, so where the cuts fall changes a reply's later tokens."""
+        num_new = request.num_tokens - start
+        if self.prompt_piece_tokens and num_new > 1:
+            num_new = min(num_new, self.prompt_piece_tokens - start % self.prompt_piece_tokens)
+        return min(num_new, budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         target = request.num_computed_tokens + num_new
@@ -294,7 +305,7 @@ class Scheduler:
             on_disk = self._on_disk(request, prefix.num_tokens)
             if on_disk is None:
                 continue  # another request is restoring its blocks: it waits for that load to end
-            num_new = 0 if on_disk else min(request.num_tokens - prefix.num_tokens, budget)
+            num_new = 0 if on_disk else self._piece(request, prefix.num_tokens, budget)
             # admit only if every running (or soon running) request can still take one more block:
             # otherwise the next step would preempt the newcomer and throw its prefill away
             keep_free = len(self.running) + len(self.loading)
@@ -352,7 +363,7 @@ class Scheduler:
         (waiting ones admitted after them are not known yet)."""
         tokens = sampled = sequences = 0
         for request in self.running:
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget - tokens)
+            num_new = self._piece(request, request.num_computed_tokens, budget - tokens)
             if num_new <= 0:
                 break
             tokens += num_new
