@@ -74,7 +74,10 @@ def test_prompt_pieces_default_to_half_the_budget():
     assert EngineConfig(max_num_batched_tokens=512).prompt_piece_tokens == 256
     assert EngineConfig(max_num_batched_tokens=1).prompt_piece_tokens == 1
     assert EngineConfig(prompt_chunk_tokens=0).prompt_piece_tokens == 0
-    assert "prompt_chunk_tokens must be >= 0" in " ".join(EngineConfig(prompt_chunk_tokens=-1).problems())
+    for wrong in (-1, 513):
+        (problem,) = EngineConfig(prompt_chunk_tokens=wrong, max_num_batched_tokens=512).problems()
+        assert problem.startswith("prompt_chunk_tokens must be between 0") and "max_num_batched_tokens" in problem
+    assert not EngineConfig(prompt_chunk_tokens=512, max_num_batched_tokens=512).problems()
 
 
 def test_prefill_chunks_mix_with_decode_tokens():

@@ -126,8 +126,9 @@ class EngineConfig:
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (
-                self.prompt_chunk_tokens is None or self.prompt_chunk_tokens >= 0,
-                "prompt_chunk_tokens must be >= 0 (0: pieces as large as the budget allows)",
+                self.prompt_chunk_tokens is None or 0 <= self.prompt_chunk_tokens <= self.max_num_batched_tokens,
+                "prompt_chunk_tokens must be between 0 (pieces as large as the budget allows) and "
+                "max_num_batched_tokens (a piece must fit in a step)",
             ),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
