@@ -38,6 +38,12 @@ class ServerConfig:
         "browser pages of other origins allowed to call the HTTP API, comma-separated (e.g. "
         "https://app.example.com), or * for any; by default only the server's own host (its playground)",
     )
+    allowed_hosts: str = setting(
+        "",
+        "names the HTTP API answers in the Host header besides localhost and IP addresses, comma-separated, or * "
+        "for any; by default any when bound to a non-loopback address, none when bound to a loopback one "
+        "(a web page that points its own name at 127.0.0.1, DNS rebinding, is refused)",
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -56,6 +62,17 @@ def origins(text: str) -> set[str]:
         scheme, host, port = match.groups()
         default = {"http": ":80", "https": ":443"}.get(scheme)
         allowed.add(f"{scheme}://{host}{'' if port in (None, default) else port}")
+    return allowed
+
+
+def hosts(text: str) -> set[str]:
+    """--allowed-hosts as names in lower case, without a trailing dot ("*" stands for any); ValueError naming an
+    entry that is not a host name (a port, a scheme or a path)."""
+    allowed = set()
+    for entry in (e.strip().lower().rstrip(".") for e in text.split(",")):
+        if entry and entry != "*" and not re.fullmatch(r"[a-z0-9_]([a-z0-9_.\-]*[a-z0-9_])?", entry):
+            raise ValueError(f"{entry!r} is not a host name (no scheme, port or path)")
+        allowed.update({entry} - {""})
     return allowed
 
 
@@ -125,6 +142,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         origins(args["allowed_origins"])
     except ValueError as exc:
         p.error(f"--allowed-origins: {exc}")
+    try:
+        hosts(args["allowed_hosts"])
+    except ValueError as exc:
+        p.error(f"--allowed-hosts: {exc}")
     engine = EngineConfig(**{f.name: args.pop(f.name) for f in fields(EngineConfig)})
     for problem in engine.problems():
         name, rest = problem.split(" ", 1)

@@ -274,7 +274,7 @@ def test_a_stream_closed_by_the_client_frees_its_blocks(sdk, model, server):
 
 def test_a_client_gone_before_a_unary_reply_frees_its_blocks(server):
     body = json.dumps({"prompt": "Tell a long story.", "max_tokens": 3000, "ignore_eos": True}).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n".encode()
     with socket.create_connection(("127.0.0.1", server.server.http.port)) as conn:
         conn.sendall(head + body)
         assert running_count(server.engine, 1)
@@ -342,6 +342,22 @@ def test_pages_of_other_origins_cannot_make_the_server_generate(server):
     )
     bare = httpx.post(server.url + "/v1/chat/completions", content=body)  # curl, SDKs: no Origin
     assert [r.status_code for r in (own, proxied, bare)] == [200, 200, 200]
+
+
+def test_a_page_that_points_its_name_at_the_server_is_refused(server):
+    # DNS rebinding: the page's name now resolves to 127.0.0.1, so its Origin and the Host header agree and the
+    # Origin check let it generate and read the reply; the Host header still carries the page's name
+    port = server.server.http.port
+    rebound = {"host": f"evil.example:{port}", "origin": f"http://evil.example:{port}"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/")):
+        reply = httpx.request(method, server.url + path, json=body if method == "POST" else None, headers=rebound)
+        assert reply.status_code == 403, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "host_not_allowed" and "evil.example" in error["message"]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
+        own = {"host": host, "origin": f"http://{host}"}
+        assert httpx.post(server.url + "/v1/chat/completions", json=body, headers=own).status_code == 200
 
 
 def test_allowed_origins_let_named_pages_in():

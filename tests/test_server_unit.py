@@ -220,6 +220,41 @@ def test_allowed_origins_are_read_as_browsers_send_them():
         parse_args(["--model", "m", "--allowed-origins", "https://app.example.com/chat"], env={})
 
 
+def test_allowed_hosts_are_names_and_a_loopback_server_answers_only_them_localhost_and_addresses():
+    from service.config import hosts
+    from service.http.host_check import HostCheck, is_loopback
+
+    assert hosts(" Chat.Example.com., ovserve.default.svc ,") == {"chat.example.com", "ovserve.default.svc"}
+    assert hosts("") == set() and hosts("*") == {"*"}
+    for wrong in ("chat.example.com:8000", "https://chat.example.com", "a/b", "-x"):
+        with pytest.raises(ValueError, match="is not a host name"):
+            hosts(wrong)
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--allowed-hosts", "chat.example.com:8000"], env={})
+    assert [is_loopback(a) for a in ("127.0.0.1", "::1", "localhost", "127.0.0.2", "0.0.0.0", "::", "10.0.0.1")] == [
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+
+    def answered(check: HostCheck) -> list[bool]:
+        names = ["localhost:8000", "app.localhost", "127.0.0.1:8000", "[::1]:8000", "10.1.2.3:8000"]
+        names += ["evil.example:8000", "evil.example", "chat.example.com", "[evil.example", None]
+        return [check.answers(name) for name in names]
+
+    local = [True, True, True, True, True, False, False, False, False, True]
+    assert answered(HostCheck(None, set(), bound_to_loopback=True)) == local  # type: ignore[arg-type]
+    assert answered(HostCheck(None, {"chat.example.com"}, bound_to_loopback=True))[7]  # type: ignore[arg-type]
+    assert all(answered(HostCheck(None, set(), bound_to_loopback=False)))  # type: ignore[arg-type]
+    assert all(answered(HostCheck(None, {"*"}, bound_to_loopback=True)))  # type: ignore[arg-type]
+    listed = answered(HostCheck(None, {"chat.example.com"}, bound_to_loopback=False))  # type: ignore[arg-type]
+    assert listed == [True, True, True, True, True, False, False, True, False, True]
+
+
 def test_a_server_that_cannot_start_says_why_and_frees_its_ports(caplog):
     # a taken metrics port failed after gRPC had started and the HTTP port was bound: both stayed taken
     import socket

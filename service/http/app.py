@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -25,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from service.auth import bearer_matches
-from service.config import origins
+from service.config import ServerConfig, hosts, origins
 from service.core import json_input
 from service.core.outputs import RequestOutput
 from service.core.request import SESSION_KEY, check_label, session_key
@@ -34,6 +35,7 @@ from service.engine import Engine
 from service.errors import InvalidArgument
 from service.http import openai, sse
 from service.http.errors import CrossOrigin, NotFound, TooLarge, Unauthenticated, error_body, status_of
+from service.http.host_check import HostCheck, is_loopback
 from service.metrics import Metrics, TokenClock
 from service.request_log import request_record
 from service.tokenizer import Tokenizer
@@ -139,8 +141,8 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
     the visitor's machine without asking first, and without a token the server would generate for it. Clients
     that are not browsers send no Origin; the playground's is the server's own host (or, behind a proxy, the
     host it forwards, which a page of another origin cannot set without the browser asking first), and
-    --allowed-origins names others (a proxy that rewrites Host, a browser extension; * for any). Not a defence
-    against DNS rebinding, where the Host header is the attacker's name too."""
+    --allowed-origins names others (a proxy that rewrites Host, a browser extension; * for any). Against DNS
+    rebinding, where the Host header is the attacker's name too, see host_check."""
     origin = request.headers.get("origin")
     if origin is None or "*" in allowed or origin in allowed:
         return
@@ -375,8 +377,8 @@ class Api:
         return JSONResponse(body, status)
 
 
-def build_app(state: ServerState, token: str | None, max_body_bytes: int, allowed_origins: str = "") -> Starlette:
-    api = Api(state, token, max_body_bytes, allowed_origins)
+def build_app(state: ServerState, token: str | None, config: ServerConfig) -> Starlette:
+    api = Api(state, token, config.max_message_bytes, config.allowed_origins)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -389,4 +391,6 @@ def build_app(state: ServerState, token: str | None, max_body_bytes: int, allowe
         Route("/", api.playground, methods=["GET"]),
         Mount("/static", PageFiles(packages=[("service.http", "static")]), name="static"),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: api.no_route})
+    host_check = Middleware(HostCheck, allowed=hosts(config.allowed_hosts), bound_to_loopback=is_loopback(config.host))
+    middleware = [host_check]
+    return Starlette(routes=routes, exception_handlers={HTTPException: api.no_route}, middleware=middleware)

@@ -23,6 +23,10 @@ class CrossOrigin(ServiceError):
     """A browser request from a page of another origin."""
 
 
+class HostNotAllowed(ServiceError):
+    """A request whose Host header names a host this server does not answer (DNS rebinding)."""
+
+
 class TooLarge(ServiceError):
     """The request body is larger than --max-message-bytes."""
 
@@ -40,6 +44,7 @@ STATUS_OF: dict[type[Exception], Status] = {
     InvalidArgument: Status(400, "invalid_request_error", "invalid_value"),
     Unauthenticated: Status(401, "authentication_error", "invalid_api_key"),
     CrossOrigin: Status(403, "permission_error", "cross_origin"),
+    HostNotAllowed: Status(403, "permission_error", "host_not_allowed"),
     NotFound: Status(404, "invalid_request_error", "not_found"),
     TooLarge: Status(413, "invalid_request_error", "request_too_large"),
     QueueFull: Status(429, "rate_limit_error", "queue_full"),

@@ -42,7 +42,7 @@ class HttpServer:
         self.port: int = self.socket.getsockname()[1]
         self.scheme = "https" if config.tls_cert else "http"
         self.url = f"{self.scheme}://{config.host}:{self.port}/"
-        app = build_app(state, token, config.max_message_bytes, config.allowed_origins)
+        app = build_app(state, token, config)
         self.server = _Uvicorn(
             uvicorn.Config(
                 app,
