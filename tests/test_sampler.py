@@ -6,7 +6,7 @@ import pytest
 from service.core.detokenizer import IncrementalDetokenizer
 from service.core.params import SamplingParams
 from service.core.request import Request
-from service.core.sampler import LOGPROB_FLOOR, sample
+from service.core.sampler import LOGPROB_FLOOR, NonFiniteLogits, sample, verify
 from service.errors import InvalidArgument
 
 V = 50
@@ -103,6 +103,27 @@ def test_extreme_temperatures_and_penalties_sample_the_top_token_beside_other_re
     out = sample(x.copy(), [tiny_temperature, tiny_penalty, req()])
     assert out.errors == [None] * 3  # no row failed (a failed row keeps its argmax: the tokens alone cannot tell)
     assert out.token_ids == [int(x[0].argmax()), seen, int(x[2].argmax())]
+
+
+def test_a_row_of_non_finite_logits_fails_its_own_request_alone():
+    # argmax takes a NaN as the largest: a greedy request got token 0 (or wherever the NaN was) silently
+    x = logits_for(4, seed=8)
+    x[0, 5] = np.nan
+    x[1, 9] = np.inf
+    x[2, 7] = np.nan
+    out = sample(x.copy(), [req(), req(), req(temperature=1.0, seed=1), req()])
+    assert [type(e).__name__ if e else None for e in out.errors] == ["NonFiniteLogits"] * 3 + [None]
+    assert "not finite" in str(out.errors[0]) and out.token_ids[3] == int(x[3].argmax())
+    rows = logits_for(3, seed=9)
+    drafts = [int(rows[0].argmax()), int(rows[1].argmax())]
+    for row in (0, 1):  # the first draft's position, then the second's (reached when the first is kept)
+        rows[row, 3] = np.nan
+        for params in ({}, {"logprobs": 2}, {"temperature": 1.0, "seed": 1}):
+            if row == 0 or "temperature" not in params:  # a draw may reject the first draft
+                with pytest.raises(NonFiniteLogits):
+                    verify(rows.copy(), req(**params), drafts)
+        rows[row, 3] = 0.0
+    assert verify(rows.copy(), req(), drafts).token_ids == [*drafts, int(rows[2].argmax())]
 
 
 def test_logprobs_of_tokens_that_cannot_be_chosen_are_finite():

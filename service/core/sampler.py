@@ -34,6 +34,20 @@ LOGPROB_FLOOR = -9999.0
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+class NonFiniteLogits(ArithmeticError):
+    """The model computed NaN or +inf for a row: its argmax would be a meaningless token (NaN compares as the
+    largest), its probabilities NaN. Its request fails; the other rows of the step stand."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's logits for this position are not finite (NaN or inf)")
+
+
+def _check_top(value: float) -> None:
+    """value: the row's chosen logit (argmax picks a NaN or +inf first), or its largest."""
+    if np.isnan(value) or value == np.inf:
+        raise NonFiniteLogits()
+
+
 @dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
@@ -60,11 +74,13 @@ def sample(logits: np.ndarray, requests: Sequence[Request], masks: Sequence[np.n
     for i, row in enumerate(constrained):
         _keep_one_allowed(logits[row], bits[i])
     token_ids = np.argmax(logits, axis=-1)
+    tops = logits[np.arange(len(requests)), token_ids]
     logprobs: list[TokenLogprob | None] = [None] * len(requests)
     for row, request in enumerate(requests):
         if errors[row] is not None:
             continue
         try:
+            _check_top(tops[row])
             if not request.params.greedy:
                 token_ids[row] = _sample_row(logits[row], request)
             if request.params.logprobs:
@@ -86,7 +102,10 @@ def verify(rows: np.ndarray, request: Request, drafts: Sequence[int], masks: np.
         bits = allowed(masks, rows.shape[-1])
         rows[~bits] = -np.inf
     if bits is None and _argmax_only(request):  # no per-position state to track: one vectorized argmax
-        tokens = accept_greedy(drafts, [int(t) for t in np.argmax(rows, axis=-1)])
+        picks = np.argmax(rows, axis=-1)
+        tokens = accept_greedy(drafts, [int(t) for t in picks])
+        for i in range(len(tokens)):
+            _check_top(rows[i, picks[i]])
         return SampleResult(tokens, [None] * len(tokens))
     token_ids: list[int] = []
     logprobs: list[TokenLogprob | None] = []
@@ -95,6 +114,7 @@ def verify(rows: np.ndarray, request: Request, drafts: Sequence[int], masks: np.
         _apply_penalties(row, p, [*request.output_token_ids, *earlier], [*request.all_token_ids, *earlier])
         if bits is not None:
             _keep_one_allowed(row, bits[i])
+        _check_top(row.max())
         token = int(np.argmax(row)) if p.greedy else _sample_row(row, request)
         token_ids.append(token)
         logprobs.append(_logprobs(row, token, p.logprobs) if p.logprobs else None)
