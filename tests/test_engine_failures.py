@@ -70,6 +70,16 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
             real_penalties(row, params, output_token_ids, all_token_ids)
 
         monkeypatch.setattr(sampler, "_apply_penalties", penalties)
+    elif stage == "nan_row":  # the model computed NaN for the poisoned request's row
+        real_sample = engine_core.sample
+
+        def sample(logits, requests, *masks):
+            for row, request in enumerate(requests):
+                if request.prompt_token_ids[0] == POISON:
+                    logits[row, 3] = np.nan
+            return real_sample(logits, requests, *masks)
+
+        monkeypatch.setattr(engine_core, "sample", sample)
     elif stage == "update":
         real_update = core.scheduler.update
 
@@ -113,8 +123,12 @@ def test_a_failing_stage_fails_its_step_only_and_the_engine_goes_on(engine, monk
 
 @pytest.mark.parametrize(
     ("stage", "expected", "steps"),
-    [("sample", ["failed", "failed", "ok"], 1), ("sample_row", ["ok", "failed", "ok"], 0)],
-    ids=["whole-sampler", "one-row"],
+    [
+        ("sample", ["failed", "failed", "ok"], 1),
+        ("sample_row", ["ok", "failed", "ok"], 0),
+        ("nan_row", ["ok", "failed", "ok"], 0),
+    ],
+    ids=["whole-sampler", "one-row", "non-finite-row"],
 )
 def test_a_failed_sampler_fails_its_step_and_a_failed_row_its_request(engine, monkeypatch, stage, expected, steps):
     """A sampler that fails as a whole fails its step; one row that fails to sample (no input is known to make
@@ -166,6 +180,11 @@ def test_a_request_the_scheduler_cannot_take_fails_alone(engine, monkeypatch):
     assert run(traffic()) == ["failed", "ok"]
     assert engine.alive
     assert_no_blocks_held(engine)
+
+
+def test_an_engine_refuses_a_config_out_of_range_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="prompt_chunk_tokens must be between 0"):
+        Engine(tmp_path / "no-model", EngineConfig(prompt_chunk_tokens=-1))
 
 
 def test_an_engine_whose_logits_are_not_finite_refuses_to_start(smollm2_ir):

@@ -70,6 +70,19 @@ def test_a_piece_cut_short_by_the_budget_ends_at_the_next_multiple():
     assert prompt_cuts(12, decoding=6) == [10, 12, 22, 24, 30]
 
 
+def test_a_prompt_computed_in_pieces_keeps_the_blocks_it_still_needs():
+    # with room left beside a piece, a waiting request was admitted into the blocks the prompt had yet to
+    # fill, and the prompt's next pieces preempted it (its prefill thrown away)
+    s = make(num_blocks=12, budget=16, piece=8)
+    long, short = request("long", 40, max_new_tokens=4), request("short", 12, start=500, max_new_tokens=12)
+    s.add(long)
+    step(s)
+    s.add(short)
+    while s.has_work():
+        step(s)
+    assert s.num_preemptions == 0 and long.num_output_tokens == 4 and short.num_output_tokens == 12
+
+
 def test_prompt_pieces_default_to_half_the_budget():
     assert EngineConfig(max_num_batched_tokens=512).prompt_piece_tokens == 256
     assert EngineConfig(max_num_batched_tokens=1).prompt_piece_tokens == 1

@@ -51,9 +51,10 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(512, "tokens per engine step at most (prompt chunks and decode tokens)")
     prompt_chunk_tokens: int | None = setting(
         None,
-        "prompts are computed in pieces that end at multiples of this many tokens, so where a prompt is cut "
-        "(and so its KV cache and greedy reply) does not depend on what else shares its steps (default: half "
-        "of max_num_batched_tokens, leaving room for decode tokens; 0: pieces as large as the budget allows)",
+        "prompts are computed in pieces that end at multiples of this many tokens (at most "
+        "max_num_batched_tokens), so where a prompt is cut, and so its KV cache and greedy reply, depends less on "
+        "what else shares its steps (default: half of max_num_batched_tokens, leaving room for decode tokens; 0: "
+        "pieces as large as the budget allows)",
     )
 
     @property
@@ -127,8 +128,8 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (
                 self.prompt_chunk_tokens is None or 0 <= self.prompt_chunk_tokens <= self.max_num_batched_tokens,
-                "prompt_chunk_tokens must be between 0 (pieces as large as the budget allows) and "
-                "max_num_batched_tokens (a piece must fit in a step)",
+                f"prompt_chunk_tokens must be between 0 (pieces as large as the budget allows) and "
+                f"max_num_batched_tokens, {self.max_num_batched_tokens} (a piece must fit in a step)",
             ),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),

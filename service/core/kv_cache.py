@@ -54,6 +54,9 @@ class KVCacheManager:
     def block_ids(self, request_id: int) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 
+    def num_blocks(self, request_id: int) -> int:
+        return len(self._tables.get(request_id, ()))
+
     def holds(self, request_id: int) -> bool:
         return request_id in self._tables
 

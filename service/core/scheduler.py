@@ -1,9 +1,10 @@
 """Iteration-level continuous batching under one token budget per step.
 
 Every request has num_tokens (prompt + generated) and num_computed_tokens; each step shares the token
-budget out, running requests first, then waiting ones in arrival order. A prompt longer than the
-remaining budget is computed in chunks, side by side with other requests' decode tokens. A waiting
-request is admitted only while each running request keeps one free block to grow into. When blocks
+budget out, running requests first, then waiting ones in arrival order. A prompt is computed in pieces
+that end at multiples of prompt_piece_tokens (or where the step's budget runs out), side by side with
+other requests' decode tokens. A waiting request is admitted only while each running request keeps the
+blocks for the rest of its prompt and one more to grow into. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
 (mostly from the prefix cache).
 
@@ -298,6 +299,13 @@ class Scheduler:
         plan.chunks = [c for c in plan.chunks if c.request is not request]
 
     def _admit_waiting(self, budget: int, plan: StepPlan) -> None:
+        # admit only if every running (or soon running) request can still finish its prompt and take one more
+        # block: otherwise a later step would preempt the newcomer and throw its prefill away (a newcomer's own
+        # later pieces are not held for: waiting for them cost more steps than the preemptions it saved)
+        if not self.waiting:
+            return
+        growing = [*self.running, *(load.request for load in self.loading.values())]
+        keep_free = sum(self._blocks_to_grow(r) for r in growing)
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
                 break
@@ -306,9 +314,6 @@ class Scheduler:
             if on_disk is None:
                 continue  # another request is restoring its blocks: it waits for that load to end
             num_new = 0 if on_disk else self._piece(request, prefix.num_tokens, budget)
-            # admit only if every running (or soon running) request can still take one more block:
-            # otherwise the next step would preempt the newcomer and throw its prefill away
-            keep_free = len(self.running) + len(self.loading)
             num_tokens = prefix.num_tokens + len(on_disk) * self.kv.block_size + num_new
             if not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
                 break  # wait for blocks to be freed; first come, first served
@@ -324,11 +329,18 @@ class Scheduler:
             if on_disk:
                 block_ids = tuple(self.kv.block_ids(request.id)[len(prefix.blocks) :])
                 plan.loads.append(self._start_load(Load(request, on_disk, block_ids, first)))
+                keep_free += self._blocks_to_grow(request)
                 continue
             request.status = Status.RUNNING
             self.running.append(request)
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            keep_free += self._blocks_to_grow(request)
+
+    def _blocks_to_grow(self, request: Request) -> int:
+        """Blocks a request that holds some still needs for the rest of its prompt and one more token: a
+        prompt computed in pieces must not be overtaken by requests admitted meanwhile."""
+        return max(1, self.kv.blocks_needed(request.num_tokens + 1) - self.kv.num_blocks(request.id))
 
     def _on_disk(self, request: Request, num_cached: int) -> tuple[bytes, ...] | None:
         """Digests of the blocks past the RAM hit that can be restored from disk (never the block of the

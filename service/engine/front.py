@@ -42,6 +42,9 @@ class _Stream:
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        problems = config.problems()  # the CLI checks them first, naming the flags; library callers get them here
+        if problems:
+            raise ValueError("; ".join(problems))
         self.model = ModelFiles.read(model_dir)
         self.tokenizer = Tokenizer(self.model.path, Path(config.chat_template) if config.chat_template else None)
         self.core = EngineCore(self.model, config, self._publish, self._core_died)
