@@ -29,7 +29,8 @@ SAMPLED_ROWS = "sampled_rows"
 # tokens (decoding, verifying drafts) ran 1.05-1.6x faster in f32. Verify steps above it go to bf16 too: 8
 # sequences with 5 drafts each took 50 ms in bf16 and 56 in f32, and 8 streams of edits ran at 1.19x plain
 # decoding so against 1.12x with every verify step in f32 (3 rounds, same run); their greedy replies matched
-# plain decoding's no less often with bf16 verify steps.
+# plain decoding's no less often with bf16 verify steps. A step holding a piece of a prompt goes by its largest
+# piece rather than its size (copy_for).
 LARGE_STEP_TOKENS = 32
 
 
@@ -248,8 +249,12 @@ class ModelRunner:
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
         """Which compiled copy runs a step of these sequences: "single_token" for one token where there is
         that copy, "large_step" for more than LARGE_STEP_TOKENS tokens where there is that copy, else "main".
-        Each copy keeps its own last shape (last_shapes)."""
-        return self.copy_for_tokens(sum(len(s.token_ids) for s in seqs))
+        A step holding a piece of a prompt (several tokens, not all of them sampled) goes by its largest piece
+        instead: the copy computes the piece's keys, which stay in the cache, so a short piece (a prompt's
+        last, a new turn after a prefix hit) must not change copy with the number of requests decoding beside
+        it. Each copy keeps its own last shape (last_shapes)."""
+        pieces = [len(s.token_ids) for s in seqs if s.num_logits < len(s.token_ids)]
+        return self.copy_for_tokens(max(pieces) if pieces else sum(len(s.token_ids) for s in seqs))
 
     def copy_for_tokens(self, tokens: int) -> str:
         """Which compiled copy runs a step of this many tokens (copy_for)."""

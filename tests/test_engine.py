@@ -283,6 +283,9 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
         runner.execute([StepInput([1] * 40, 0, [8, 9], 1)])
         assert runner.last_shapes.keys() == {"main", "large_step"}
         assert runner.last_shapes["main"] == StepShape(32, 8, 32)
+        short_piece = [StepInput([1] * 22, 0, [8, 9], 1), *(StepInput([1], 8, [i], 1) for i in range(14))]
+        assert runner.copy_for(short_piece) == "main"  # by its piece (22 tokens), not its 36 tokens
+        assert runner.copy_for([StepInput([1] * 40, 0, [8, 9], 0), StepInput([1], 8, [0], 1)]) == "large_step"
         decoding = [StepInput([1], 8, [i], 1) for i in range(30)]  # padding never moves a step to bf16
         runner.execute(decoding, StepShape(34, 31, 30))
         assert runner.copy_for(decoding) == "main" and runner.last_shapes["main"] == StepShape(34, 31, 30)
@@ -398,15 +401,16 @@ def test_int4_weights_are_served_as_the_stateful_ir_runs_them(tiny_qwen3_int4_ir
 
 @pytest.mark.parametrize("pieces", [None, 0])
 def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir, pieces):
-    """int8 weights, a u8 cache and auto precision, as served: a prompt computed alone and beside six
+    """int8 weights, a u8 cache and auto precision, as served: a prompt computed alone and beside 6 or 14
     decoding requests gets the same first-token log-probabilities to the bit, because its pieces end at
-    the same multiples of prompt_chunk_tokens (default: half the budget) whatever room the others leave.
-    Cut wherever the budget ends (0), the keys at the cut are computed in another piece and the
-    log-probabilities move (showing the test can tell)."""
+    the same multiples of prompt_chunk_tokens (default: half the budget) whatever room the others leave,
+    and its last piece of 22 tokens runs on the f32 copy however many rows share its step (beside 14, the
+    step's 36 tokens went to the bf16 copy). Cut wherever the budget ends (0), the keys at the cut are
+    computed in another piece and the log-probabilities move (showing the test can tell)."""
     config = EngineConfig(
         kv_cache_gb=0.02,
         max_num_batched_tokens=128,
-        max_num_seqs=8,
+        max_num_seqs=16,
         prompt_chunk_tokens=pieces,
         enable_prefix_caching=False,  # the prompt is computed twice
     )
@@ -415,20 +419,22 @@ def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir
     try:
         prompt = [random.Random(21).randrange(100, 150_000) for _ in range(150)]  # pieces of 64, 64 and 22
         first = SamplingParams(max_new_tokens=1, logprobs=5)
-        others = [p[:20] for p in prompts(6, seed=22)]
+        others = [p[:20] for p in prompts(14, seed=22)]
 
-        async def beside_decoders():
+        async def beside_decoders(n: int):
             decoding = SamplingParams(max_new_tokens=60, ignore_eos=True)
-            busy = [asyncio.create_task(collect(engine, p, decoding)) for p in others]
-            while engine.stats().num_running < len(others) or engine.stats().num_waiting:
+            generated = engine.stats().num_generated_tokens
+            busy = [asyncio.create_task(collect(engine, p, decoding)) for p in others[:n]]
+            while engine.stats().num_generated_tokens < generated + 3 * n:  # every prompt computed: all decode
                 await asyncio.sleep(0.001)
             result = await _all_logprobs(engine, prompt, first)
             await asyncio.gather(*busy)
             return result
 
         alone = run(_all_logprobs(engine, prompt, first))
-        busy = run(beside_decoders())
-        assert len(alone) == len(busy) == 1
-        assert (alone == busy) == (pieces is None), (alone, busy)
+        for n in (6, 14):
+            busy = run(beside_decoders(n))
+            assert len(alone) == len(busy) == 1
+            assert (alone == busy) == (pieces is None), (n, alone, busy)
     finally:
         engine.shutdown()
