@@ -348,6 +348,8 @@ def test_a_page_that_points_its_name_at_the_server_is_refused(server):
     # DNS rebinding: the page's name now resolves to 127.0.0.1, so its Origin and the Host header agree and the
     # Origin check let it generate and read the reply; the Host header still carries the page's name
     port = server.server.http.port
+    registry = server.server.metrics.registry
+    refused = registry.get_sample_value("ovserve_http_requests_total", {"endpoint": "any", "status": "403"}) or 0.0
     rebound = {"host": f"evil.example:{port}", "origin": f"http://evil.example:{port}"}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/")):
@@ -355,6 +357,7 @@ def test_a_page_that_points_its_name_at_the_server_is_refused(server):
         assert reply.status_code == 403, reply.text
         error = reply.json()["error"]
         assert error["code"] == "host_not_allowed" and "evil.example" in error["message"]
+    assert registry.get_sample_value("ovserve_http_requests_total", {"endpoint": "any", "status": "403"}) == refused + 3
     for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
         own = {"host": host, "origin": f"http://{host}"}
         assert httpx.post(server.url + "/v1/chat/completions", json=body, headers=own).status_code == 200

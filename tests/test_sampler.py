@@ -114,6 +114,14 @@ def test_a_row_of_non_finite_logits_fails_its_own_request_alone():
     out = sample(x.copy(), [req(), req(), req(temperature=1.0, seed=1), req()])
     assert [type(e).__name__ if e else None for e in out.errors] == ["NonFiniteLogits"] * 3 + [None]
     assert "not finite" in str(out.errors[0]) and out.token_ids[3] == int(x[3].argmax())
+    # a grammar's mask: a row whose top is NaN was taken for one whose allowed tokens were all banned
+    mask = np.zeros((1, 2), dtype=np.int32)
+    mask.view(np.uint8)[0, [0, 1, 2]] = [1 << 3, 1 << 2, 1 << 4]  # tokens 3, 10 and 20
+    for params in ({}, {"temperature": 1.0, "seed": 1}):
+        y = logits_for(1, seed=10)
+        y[0, 10] = np.nan
+        (error,) = sample(y, [req(**params)], [mask]).errors
+        assert isinstance(error, NonFiniteLogits)
     rows = logits_for(3, seed=9)
     drafts = [int(rows[0].argmax()), int(rows[1].argmax())]
     for row in (0, 1):  # the first draft's position, then the second's (reached when the first is kept)

@@ -244,15 +244,16 @@ def test_allowed_hosts_are_names_and_a_loopback_server_answers_only_them_localho
     def answered(check: HostCheck) -> list[bool]:
         names = ["localhost:8000", "app.localhost", "127.0.0.1:8000", "[::1]:8000", "10.1.2.3:8000"]
         names += ["evil.example:8000", "evil.example", "chat.example.com", "[evil.example", None]
+        names += ["[::1]evil.example", "localhost:evil.com", "[::1]:x"]  # not a name and a port of digits
         return [check.answers(name) for name in names]
 
-    local = [True, True, True, True, True, False, False, False, False, True]
+    local = [True, True, True, True, True, False, False, False, False, True, False, False, False]
     assert answered(HostCheck(None, set(), bound_to_loopback=True)) == local  # type: ignore[arg-type]
     assert answered(HostCheck(None, {"chat.example.com"}, bound_to_loopback=True))[7]  # type: ignore[arg-type]
     assert all(answered(HostCheck(None, set(), bound_to_loopback=False)))  # type: ignore[arg-type]
     assert all(answered(HostCheck(None, {"*"}, bound_to_loopback=True)))  # type: ignore[arg-type]
     listed = answered(HostCheck(None, {"chat.example.com"}, bound_to_loopback=False))  # type: ignore[arg-type]
-    assert listed == [True, True, True, True, True, False, False, True, False, True]
+    assert listed == [True, True, True, True, True, False, False, True, False, True, False, False, False]
 
 
 def test_a_server_that_cannot_start_says_why_and_frees_its_ports(caplog):

@@ -139,7 +139,7 @@ def _argmax_only(request: Request) -> bool:
 def _keep_one_allowed(row: np.ndarray, allowed_row: np.ndarray) -> None:
     """The grammar wins over min_new_tokens: when the ban of eos left nothing the grammar allows (it admits
     only eos), its allowed tokens come back, equally likely."""
-    if not np.isfinite(row.max()):
+    if row.max() == -np.inf:  # a NaN or +inf is the model's failure, left for _check_top
         row[allowed_row] = 0.0
 
 

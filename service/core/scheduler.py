@@ -304,7 +304,8 @@ class Scheduler:
         # later pieces are not held for: waiting for them cost more steps than the preemptions it saved)
         if not self.waiting:
             return
-        growing = [*self.running, *(load.request for load in self.loading.values())]
+        loading = [load.request for load in self.loading.values() if load.request.status is Status.LOADING]
+        growing = [*self.running, *loading]
         keep_free = sum(self._blocks_to_grow(r) for r in growing)
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:

@@ -377,7 +377,8 @@ class Api:
         return JSONResponse(body, status)
 
 
-def build_app(state: ServerState, token: str | None, config: ServerConfig) -> Starlette:
+def build_app(state: ServerState, token: str | None, config: ServerConfig, bound_address: str) -> Starlette:
+    """bound_address: the address the HTTP socket listens on (a name in --host may resolve to loopback)."""
     api = Api(state, token, config.max_message_bytes, config.allowed_origins)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -391,6 +392,11 @@ def build_app(state: ServerState, token: str | None, config: ServerConfig) -> St
         Route("/", api.playground, methods=["GET"]),
         Mount("/static", PageFiles(packages=[("service.http", "static")]), name="static"),
     ]
-    host_check = Middleware(HostCheck, allowed=hosts(config.allowed_hosts), bound_to_loopback=is_loopback(config.host))
+    host_check = Middleware(
+        HostCheck,
+        allowed=hosts(config.allowed_hosts),
+        bound_to_loopback=is_loopback(bound_address),
+        count=lambda: state.metrics.observe_http("any", 403, 0.0),
+    )
     middleware = [host_check]
     return Starlette(routes=routes, exception_handlers={HTTPException: api.no_route}, middleware=middleware)

@@ -42,7 +42,7 @@ class HttpServer:
         self.port: int = self.socket.getsockname()[1]
         self.scheme = "https" if config.tls_cert else "http"
         self.url = f"{self.scheme}://{config.host}:{self.port}/"
-        app = build_app(state, token, config)
+        app = build_app(state, token, config, self.socket.getsockname()[0])
         self.server = _Uvicorn(
             uvicorn.Config(
                 app,
