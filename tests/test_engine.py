@@ -286,6 +286,8 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
         short_piece = [StepInput([1] * 22, 0, [8, 9], 1), *(StepInput([1], 8, [i], 1) for i in range(14))]
         assert runner.copy_for(short_piece) == "main"  # by its piece (22 tokens), not its 36 tokens
         assert runner.copy_for([StepInput([1] * 40, 0, [8, 9], 0), StepInput([1], 8, [0], 1)]) == "large_step"
+        verifying = [*short_piece, StepInput([1] * 6, 8, [15], 6)]  # drafts: by the step's size, 42 tokens
+        assert runner.copy_for(verifying) == "large_step"
         decoding = [StepInput([1], 8, [i], 1) for i in range(30)]  # padding never moves a step to bf16
         runner.execute(decoding, StepShape(34, 31, 30))
         assert runner.copy_for(decoding) == "main" and runner.last_shapes["main"] == StepShape(34, 31, 30)

@@ -31,11 +31,11 @@ class EngineConfig:
     inference_precision: str = setting(
         "auto",
         "precision of the model's activations. auto: f32, plus a bf16 copy of the model for steps of more than "
-        "32 tokens (prompt chunks; a step holding a prompt piece goes by its largest piece) on CPUs where the "
-        "plugin's own default is bf16 (AVX512_BF16, AMX), at the cost of a second copy of the weights in memory: "
-        "there int8 models decoded 1.3-1.5x and verified drafts 1.6-2.1x faster in f32, while bf16 ran long "
-        "prompt chunks 1.35-1.75x faster. f32 also makes a many-token step compute what one-token steps do on an "
-        "fp16 model",
+        "32 tokens (prompt chunks; a step holding a prompt piece and no drafts goes by its largest piece) on CPUs "
+        "where the plugin's own default is bf16 (AVX512_BF16, AMX), at the cost of a second copy of the weights in "
+        "memory: there int8 models decoded 1.3-1.5x and verified drafts 1.6-2.1x faster in f32, while bf16 ran "
+        "long prompt chunks 1.35-1.75x faster. f32 also makes a many-token step compute what one-token steps do "
+        "on an fp16 model",
         ("auto", "f32", "bf16", "f16"),
     )
     dq_group_size: int | None = setting(
