@@ -24,13 +24,13 @@ from service.core.step_shape import MAX_PAD_SEQUENCES, MAX_PAD_TOKENS, StepShape
 log = logging.getLogger(__name__)
 
 SAMPLED_ROWS = "sampled_rows"
-# With --inference-precision auto on a CPU whose plugin defaults to bf16, steps of more tokens than this run on
-# a bf16 copy of the model: bf16 ran a 256-token prompt chunk 1.75x faster than f32, while steps of up to 32
-# tokens (decoding, verifying drafts) ran 1.05-1.6x faster in f32. Verify steps above it go to bf16 too: 8
-# sequences with 5 drafts each took 50 ms in bf16 and 56 in f32, and 8 streams of edits ran at 1.19x plain
-# decoding so against 1.12x with every verify step in f32 (3 rounds, same run); their greedy replies matched
-# plain decoding's no less often with bf16 verify steps. A step holding a piece of a prompt goes by its largest
-# piece rather than its size (copy_for).
+# With --inference-precision auto on a CPU whose plugin defaults to bf16, prompt pieces of more tokens than this
+# run on a bf16 copy of the model: bf16 ran a 256-token prompt chunk 1.75x faster than f32, while steps of up to
+# 32 tokens (decoding, verifying drafts) ran 1.05-1.6x faster in f32. The other sequences of a step holding such
+# a piece run apart from it, on the f32 copy (execute): a decoding row is then computed one way whatever shares
+# its step. Beside a 256-token piece in one bf16 step, SmolLM2 int8 rows moved by up to 0.6 in the logits, and
+# plain decoding's greedy replies at 8 streams matched those of the same prompts at another load in only 34 of
+# 64; and the two steps took 0.77-0.84x the time of the one (a piece with 1, 3 or 7 rows at context 400).
 LARGE_STEP_TOKENS = 32
 
 
@@ -193,11 +193,42 @@ class ModelRunner:
         block's content is its row of each."""
         return [self.request.get_tensor(p.get_any_name()).data for p in self._cache_inputs()]
 
+    def is_long_piece(self, seq: StepInput) -> bool:
+        """Whether a step's sequence is a prompt piece that runs on the bf16 copy, apart from the others: one of
+        more than LARGE_STEP_TOKENS tokens (not all sampled: drafts never go there), where there is that copy."""
+        return (
+            self.large_step_request is not None
+            and len(seq.token_ids) > LARGE_STEP_TOKENS
+            and seq.num_logits < len(seq.token_ids)
+        )
+
     def execute(self, seqs: Sequence[StepInput], shape: StepShape | None = None) -> np.ndarray:
         """Run one step; returns the wanted logits rows of every sequence, in order, [sum of num_logits, vocab].
-        With a shape, the step runs padded to it (ShapeKeeper chose it; it must be one the step pads to)."""
+        Long prompt pieces (is_long_piece) run on the bf16 copy, the other sequences on the copy copy_for
+        picks, as a second inference where the step has both. With a shape, the other sequences run padded to
+        it (ShapeKeeper chose it; it must be one they pad to)."""
+        long_pieces = [s for s in seqs if self.is_long_piece(s)]
+        others = [s for s in seqs if not self.is_long_piece(s)]
+        if not long_pieces:
+            return self._infer(self.copy_for(others), others, shape)
+        pieces_logits = self._infer("large_step", long_pieces, None)
+        changed = self.shape_changed
+        if not others:
+            return pieces_logits
+        others_logits = self._infer(self.copy_for(others), others, shape)
+        self.shape_changed = self.shape_changed or changed
+        sources = {True: pieces_logits, False: others_logits}
+        taken = {True: 0, False: 0}
+        rows = []
+        for s in seqs:
+            long = self.is_long_piece(s)
+            rows.append(sources[long][taken[long] : taken[long] + s.num_logits])
+            taken[long] += s.num_logits
+        return np.concatenate(rows)
+
+    def _infer(self, copy: str, seqs: Sequence[StepInput], shape: StepShape | None) -> np.ndarray:
+        """One inference of these sequences on one compiled copy, padded to shape if given."""
         num_rows = sum(s.num_logits for s in seqs)
-        copy = self.copy_for(seqs)  # by the step's own sequences: padding never moves it to another copy
         needed = StepShape.of([len(s.token_ids) for s in seqs], [s.num_logits for s in seqs])
         if shape is not None and shape != needed:
             if not needed.pads_to(shape):
@@ -239,34 +270,21 @@ class ModelRunner:
 
     @property
     def rows_alike_in_every_step(self) -> bool:
-        """Whether a row is computed the same way in every step of more than one token, whatever else the step
-        holds: every such step runs on one compiled copy (no bf16 copy for large steps), in f32 activations.
-        In bf16 the matmul kernels depend on a step's row count: SmolLM2 int8 on this AMX host gave a decoding
-        row beside 1 or 3 others other logits (by up to 0.5) than the same row beside the request's own drafts
-        as one-token rows, while beside 4 or more the two were equal bit for bit."""
-        return self.large_step_request is None and self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+        """Whether a row of a step of more than one token is computed the same way whatever else the step holds:
+        every such step's sequences but long prompt pieces run on one compiled copy, in f32 activations (in
+        bf16 the matmul kernels depend on a step's row count: SmolLM2 int8 on this AMX host gave a decoding
+        row beside 1 or 3 others other logits, by up to 0.5, than beside 4 or more)."""
+        return self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
 
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
-        """Which compiled copy runs a step of these sequences: "single_token" for one token where there is
-        that copy, "large_step" for more than LARGE_STEP_TOKENS tokens where there is that copy, else "main".
-        A step of prompt pieces (several tokens, not all of them sampled) and decode tokens goes by its largest
-        piece instead: the copy computes the piece's keys, which stay in the cache, so a short piece (a
-        prompt's last, a new turn after a prefix hit) must not change copy with the number of requests
-        decoding beside it. A step verifying drafts keeps going by its size: moving such steps to f32 cost
-        8% of the throughput of edits at 8 streams (and a verify step is not plain decoding's anyway). Each
-        copy keeps its own last shape (last_shapes)."""
-        tokens = sum(len(s.token_ids) for s in seqs)
-        pieces = [len(s.token_ids) for s in seqs if s.num_logits < len(s.token_ids)]
-        if not pieces or any(s.num_logits > 1 for s in seqs):
-            return self.copy_for_tokens(tokens)
-        return self.copy_for_tokens(max(pieces))
+        """Which compiled copy runs these sequences (a step's, long prompt pieces apart): "single_token" for
+        one token where there is that copy, else "main". Each copy keeps its own last shape (last_shapes)."""
+        return self.copy_for_tokens(sum(len(s.token_ids) for s in seqs))
 
     def copy_for_tokens(self, tokens: int) -> str:
-        """Which compiled copy runs a step of this many tokens (copy_for)."""
+        """Which compiled copy runs a step of this many tokens, long prompt pieces apart (copy_for)."""
         if self.single_token_request is not None and tokens == 1:
             return "single_token"
-        if self.large_step_request is not None and tokens > LARGE_STEP_TOKENS:
-            return "large_step"
         return "main"
 
     def _padding(self, num_sequences: int, num_tokens: int) -> list[StepInput]:

@@ -252,7 +252,8 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
 
 
 def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(tiny_qwen3_fp16_ir, reference):
-    """auto: steps of more than 32 tokens on a bf16 copy where the plugin defaults to bf16, the rest in f32.
+    """auto: prompt pieces of more than 32 tokens on a bf16 copy where the plugin defaults to bf16, apart from
+    the other sequences of their step, which run in f32.
     The f32 steps continue from the KV the bf16 copy wrote (the u8 cache, whose type both share): replies
     agree with the f32 reference but for near ties that bf16 or the u8 cache round the other way, so most
     tokens, not all, must match."""
@@ -277,20 +278,27 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
     finally:
         engine.shutdown()
     runner = ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
-    if runner.large_step_request is not None:  # steps of more than 32 tokens go to bf16, each copy has its shape
-        runner.execute([StepInput([1] * 4, 8, [i], 4) for i in range(8)])
+    if runner.large_step_request is not None:  # prompt pieces of more than 32 tokens go to bf16, apart
+        for i in range(3):  # three prompts of 8 tokens, decoding from position 8
+            runner.execute([StepInput([5 + i] * 8, 0, [i], 1)])
+        decoding = [StepInput([7 + i], 8, [i], 1) for i in range(3)]
+        alone = runner.execute(decoding).copy()
         assert runner.last_shapes.keys() == {"main"}
-        runner.execute([StepInput([1] * 40, 0, [8, 9], 1)])
+        piece = StepInput([1] * 40, 0, [8, 9], 1)
+        beside = runner.execute([decoding[0], piece, *decoding[1:]])
         assert runner.last_shapes.keys() == {"main", "large_step"}
-        assert runner.last_shapes["main"] == StepShape(32, 8, 32)
-        short_piece = [StepInput([1] * 22, 0, [8, 9], 1), *(StepInput([1], 8, [i], 1) for i in range(14))]
-        assert runner.copy_for(short_piece) == "main"  # by its piece (22 tokens), not its 36 tokens
-        assert runner.copy_for([StepInput([1] * 40, 0, [8, 9], 0), StepInput([1], 8, [0], 1)]) == "large_step"
-        verifying = [*short_piece, StepInput([1] * 6, 8, [15], 6)]  # drafts: by the step's size, 42 tokens
-        assert runner.copy_for(verifying) == "large_step"
-        decoding = [StepInput([1], 8, [i], 1) for i in range(30)]  # padding never moves a step to bf16
-        runner.execute(decoding, StepShape(34, 31, 30))
-        assert runner.copy_for(decoding) == "main" and runner.last_shapes["main"] == StepShape(34, 31, 30)
+        assert runner.last_shapes["main"] == StepShape(3, 3, 3)
+        assert runner.last_shapes["large_step"] == StepShape(40, 1, 1)
+        assert beside.shape == (4, alone.shape[1])
+        # the decoding rows are computed as without the piece, to the bit, and come back in the step's order
+        assert np.array_equal(beside[[0, 2, 3]], alone)
+        assert np.array_equal(beside[1], runner.execute([piece])[0])
+        assert runner.copy_for([StepInput([1] * 22, 0, [8, 9], 1)]) == "main"  # a short piece: f32
+        verifying = [StepInput([1] * 6, 8, [i], 6) for i in range(8)]  # drafts: f32 whatever the step's size
+        assert not any(runner.is_long_piece(s) for s in verifying) and runner.copy_for(verifying) == "main"
+        many = [StepInput([1], 8, [i], 1) for i in range(30)]  # padding never moves a step to bf16
+        runner.execute(many, StepShape(34, 31, 30))
+        assert runner.copy_for(many) == "main" and runner.last_shapes["main"] == StepShape(34, 31, 30)
     f16_cache = EngineConfig(kv_cache_gb=0.02, kv_cache_precision="f16", inference_precision="auto")
     assert ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", f16_cache).large_step_request is None  # bf16's
 
@@ -438,5 +446,36 @@ def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir
             busy = run(beside_decoders(n))
             assert len(alone) == len(busy) == 1
             assert (alone == busy) == (pieces is None), (n, alone, busy)
+    finally:
+        engine.shutdown()
+
+
+def test_decoding_logprobs_do_not_depend_on_prompts_sharing_their_steps(tiny_qwen3_ir):
+    """int8 weights, a u8 cache and auto precision, as served: two requests decoding alone and while prompts of
+    100 tokens arrive get the same log-probabilities at every position, to the bit. Where there is a bf16 copy,
+    the prompts' pieces (64 and 36 tokens) run on it and the decoding rows stay on the f32 copy; in one bf16
+    step with the pieces, the rows were computed otherwise, and greedy and seeded replies depended on load."""
+    config = EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=128, max_num_seqs=16, enable_prefix_caching=False)
+    engine = Engine(tiny_qwen3_ir, config)
+    engine.start()
+    try:
+        decoders = [[random.Random(31 + i).randrange(100, 150_000) for _ in range(20)] for i in range(2)]
+        params = SamplingParams(max_new_tokens=120, ignore_eos=True, logprobs=3)
+        arriving = [[random.Random(41 + i).randrange(100, 150_000) for _ in range(100)] for i in range(6)]
+
+        async def decode(with_prompts: bool):
+            tasks = [asyncio.create_task(_all_logprobs(engine, p, params)) for p in decoders]
+            if with_prompts:
+                for p in arriving:
+                    await asyncio.sleep(0.005)
+                    await collect(engine, p, SamplingParams(max_new_tokens=1))
+                assert not any(t.done() for t in tasks)  # every prompt was computed while they decoded
+            return await asyncio.gather(*tasks)
+
+        alone = run(decode(False))
+        beside = run(decode(True))
+        assert engine.stats().num_prompt_tokens >= 2 * 20 + 6 * 100
+        assert all(len(x) == 120 for x in alone)
+        assert alone == beside
     finally:
         engine.shutdown()

@@ -2,6 +2,7 @@
 model; then on a real model, greedy output with speculation equals greedy output without it."""
 
 import asyncio
+import dataclasses
 import itertools
 import random
 from collections.abc import Callable
@@ -365,12 +366,13 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, verify_
     assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
 
 
-def test_drafts_are_fed_as_rows_where_one_f32_copy_runs_every_step_unless_asked_otherwise(tiny_qwen3_ir):
-    """verify_drafts: auto takes one-token rows where they make speculation exact (here f32, one copy), and
+def test_drafts_are_fed_as_rows_where_decoding_rows_run_in_f32_unless_asked_otherwise(tiny_qwen3_ir):
+    """verify_drafts: auto takes one-token rows where they make speculation exact (decoding rows in f32), and
     either form can be asked for (sequence: faster at long contexts, where rows read the context each). In
     bf16 a row depends on its step's size, so auto takes one sequence there (on a CPU without bf16 the plugin
     runs f32 for it: rows)."""
     for precision, verify_drafts, rows in (
+        ("auto", "auto", True),  # f32 rows; long prompt pieces apart on the bf16 copy where there is one
         ("f32", "auto", True),
         ("f32", "rows", True),
         ("f32", "sequence", False),
@@ -424,6 +426,48 @@ def test_speculation_on_int8_weights_gives_the_greedy_tokens_and_logprobs_of_a_b
     oracle = Oracle(prompts, plain)
     spec = {"speculative_tokens": 4, "speculation": "auto", "kv_cache_precision": "u8"}
     fast, stats = outputs(tiny_qwen3_ir, prompts, 0, params, oracle, **spec)
+    assert stats.num_accepted_tokens > 0, stats
+    assert fast == plain
+
+
+def test_speculation_at_auto_precision_gives_plain_decodings_logprobs_while_prompts_arrive(tiny_qwen3_ir, every_draft):
+    """int8 weights, a u8 cache and auto precision, as served: two requests decoding with drafts get the tokens
+    and the very log-probabilities they get without, while prompts of 100 tokens arrive. Their pieces run on the
+    bf16 copy apart from the decoding rows (where the CPU has one), and the drafts are fed as one-token rows."""
+    config = EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=128, max_num_seqs=16, enable_prefix_caching=False)
+    decoders = [TEXT[:40], TEXT[20:]]
+    params = SamplingParams(max_new_tokens=80, ignore_eos=True, logprobs=1)
+    arriving = [[random.Random(51 + i).randrange(100, 150_000) for _ in range(100)] for i in range(4)]
+
+    def replies(speculation: dict, proposer=None):
+        engine = Engine(tiny_qwen3_ir, dataclasses.replace(config, **speculation))
+        if proposer is not None:
+            engine.core.scheduler.proposer = proposer
+        engine.start()
+
+        async def one(prompt, p):
+            tokens = []
+            async for out in engine.generate(prompt, p):
+                tokens += [(t, lp.logprob) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+            return tokens
+
+        async def main():
+            tasks = [asyncio.create_task(one(p, params)) for p in decoders]
+            for p in arriving:
+                await asyncio.sleep(0.005)
+                async for _ in engine.generate(p, SamplingParams(max_new_tokens=1)):
+                    pass
+            assert not any(t.done() for t in tasks)  # every prompt was computed while they decoded
+            return await asyncio.gather(*tasks)
+
+        try:
+            return asyncio.run(main()), engine.stats()
+        finally:
+            engine.shutdown()
+
+    plain, _ = replies({"speculation": "off"})
+    spec = {"speculation": "auto", "speculative_tokens": 4}
+    fast, stats = replies(spec, Oracle(decoders, [[t for t, _ in r] for r in plain]))
     assert stats.num_accepted_tokens > 0, stats
     assert fast == plain
 

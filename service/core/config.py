@@ -30,12 +30,12 @@ class EngineConfig:
     kv_cache_precision: str = setting("u8", "KV cache element type", ("u8", "f16", "f32"))
     inference_precision: str = setting(
         "auto",
-        "precision of the model's activations. auto: f32, plus a bf16 copy of the model for steps of more than "
-        "32 tokens (prompt chunks; a step holding a prompt piece and no drafts goes by its largest piece) on CPUs "
-        "where the plugin's own default is bf16 (AVX512_BF16, AMX), at the cost of a second copy of the weights in "
-        "memory: there int8 models decoded 1.3-1.5x and verified drafts 1.6-2.1x faster in f32, while bf16 ran "
-        "long prompt chunks 1.35-1.75x faster. f32 also makes a many-token step compute what one-token steps do "
-        "on an fp16 model",
+        "precision of the model's activations. auto: f32, plus a bf16 copy of the model for prompt pieces of more "
+        "than 32 tokens on CPUs where the plugin's own default is bf16 (AVX512_BF16, AMX), at the cost of a second "
+        "copy of the weights in memory: there int8 models decoded 1.3-1.5x and verified drafts 1.6-2.1x faster in "
+        "f32, while bf16 ran long prompt chunks 1.35-1.75x faster. The other sequences of a step holding such a "
+        "piece run apart from it in f32, so a decoding row is computed one way whatever shares its step. f32 also "
+        "makes a many-token step compute what one-token steps do on an fp16 model",
         ("auto", "f32", "bf16", "f16"),
     )
     dq_group_size: int | None = setting(
@@ -104,12 +104,11 @@ class EngineConfig:
     verify_drafts: str = setting(
         "auto",
         "how a request's drafts are fed to the model. rows: as one-token sequences on its block table, computed "
-        "exactly as decode steps compute those positions (greedy replies equal plain decoding's where every step "
-        "runs on one compiled copy in f32, int8 weights included), at 5-12%% more per verify step at 5 drafts and "
-        "more at long contexts; sequence: as one many-token sequence, faster, rounding differently at near ties on "
-        "int8 weights; auto: rows where every step runs on one copy in f32 (--inference-precision f32, or auto on "
-        "a CPU without bf16), otherwise sequence (beside auto's bf16 copy, and in bf16, a row depends on its "
-        "step's size anyway)",
+        "exactly as decode steps compute those positions (greedy replies equal plain decoding's where decoding "
+        "rows run in f32, int8 weights included), at 5-12%% more per verify step at 5 drafts and more at long "
+        "contexts; sequence: as one many-token sequence, faster, rounding differently at near ties on int8 "
+        "weights; auto: rows where decoding rows run in f32 (--inference-precision auto or f32), otherwise "
+        "sequence (in bf16 a row depends on its step's size anyway)",
         VERIFY_DRAFTS,
     )
     kernel_cache_shapes: int = setting(

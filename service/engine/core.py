@@ -99,10 +99,9 @@ class EngineCore:
             self.disk_tier = KVDiskTier(store, self.runner.cache_arrays(), self._commands.put)
         # a step's cost against its tokens, for the draft rule: measured at warm-up, refitted after every step
         self.step_times = StepTimes()
-        # drafts as one-token rows make a verify row a decode row, bit for bit, but only where decode rows are
-        # computed one way: beside auto's bf16 copy (prompt chunks' steps) or in bf16 they are not, and one
-        # sequence is faster (bf16, SmolLM2 int8, edits at 4 and 8 streams: 1.58x and 1.56x plain decoding
-        # against 1.40x and 1.46x, as often equal to plain decoding's replies at 4 streams)
+        # drafts as one-token rows make a verify row a decode row, bit for bit, where decode rows are computed one
+        # way: in f32 (auto runs long prompt pieces apart on its bf16 copy). In bf16 a row depends on its step's
+        # size anyway, and one sequence is faster.
         self.draft_rows = config.verify_drafts == "rows" or (
             config.verify_drafts == "auto" and self.runner.rows_alike_in_every_step
         )
@@ -390,19 +389,25 @@ class EngineCore:
         constrained = [c for c in sampled if c.request.matcher is not None]
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         inputs = [row for c in plan.chunks for row in step_inputs(c, self.draft_rows)]
-        needed = StepShape.of([len(i.token_ids) for i in inputs], [i.num_logits for i in inputs])
-        # the shape of the copy that will run it: a prompt chunk on the bf16 copy leaves the f32 copy's intact
-        shape = self.shape_keeper.choose(needed, self.runner.last_shapes.get(self.runner.copy_for(inputs)))
+        # the shape kept is that of the sequences on the f32 copy: long prompt pieces run apart, on the bf16 copy
+        others = [i for i in inputs if not self.runner.is_long_piece(i)]
+        shape = None
+        padding = StepShape(0, 0, 0)
+        if others:
+            needed = StepShape.of([len(i.token_ids) for i in others], [i.num_logits for i in others])
+            shape = self.shape_keeper.choose(needed, self.runner.last_shapes.get(self.runner.copy_for(others)))
+            padding = StepShape(shape.tokens - needed.tokens, shape.sequences - needed.sequences, 0)
         logits = self.runner.execute(inputs, shape)
         clock.lap("execute")
         seconds = clock.seconds["execute"]
+        tokens = plan.num_tokens + padding.tokens
         # the cost table counts requests (and padding sequences), not the one-token rows of drafts
-        sequences = len(plan.chunks) + shape.sequences - needed.sequences
+        sequences = len(plan.chunks) + padding.sequences
         if self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
             self.num_shape_changes += 1
-            self.step_times.observe_change(shape.tokens, seconds, sequences)
+            self.step_times.observe_change(tokens, seconds, sequences)
         else:
-            self.step_times.observe(shape.tokens, seconds, sequences)
+            self.step_times.observe(tokens, seconds, sequences)
         if all(c.num_tokens == 1 + len(c.drafts) for c in plan.chunks):
             # every step of decoding requests with drafts, changed and padded ones too: what drafts cost includes
             # the changes of shape and the padding that their coming and going causes
@@ -582,13 +587,12 @@ def step_inputs(chunk: ScheduledChunk, one_token_rows: bool) -> list[StepInput]:
     same block table, one a position: the attention kernel writes every new key and value before it reads
     any, so each sees the ones before it, and each row is computed exactly as a decode step of several
     sequences computes it (bit for bit, int8 weights and u8 cache too). Fed as one sequence of k + 1 tokens,
-    the rows come from the kernel for many-token queries, which rounds differently: on SmolLM2 int8 rows moved
-    by up to 0.7 in the logits, and greedy replies with drafts differed from plain decoding's. One-token rows
+    the rows come from the kernel for many-token queries, which also reads the drafts' keys and values before
+    they are rounded to the u8 cache: on SmolLM2 int8 the top two logits' gap moved by 0.08 at the median and
+    0.5 at the 99th percentile, and greedy replies with drafts differed from plain decoding's. One-token rows
     cost as much at 1-2 drafts and 5-12% more at 5 (more reads of the context), so by default (verify_drafts
-    auto) they are used where they make speculation exact: where every step runs on one compiled copy in f32
-    (ModelRunner.rows_alike_in_every_step). With auto precision's bf16 copy, decoding rows that share a step
-    with a prompt chunk run in bf16 anyway, and in bf16 a row depends on how many rows its step has; there the
-    many-token kernel is the faster."""
+    auto) they are used where they make speculation exact: where decoding rows run in f32
+    (ModelRunner.rows_alike_in_every_step)."""
     if not chunk.drafts:
         return [StepInput(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits)]
     return verify_inputs(chunk.token_ids, chunk.start, chunk.block_ids, one_token_rows)
