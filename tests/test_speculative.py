@@ -472,6 +472,37 @@ def test_speculation_at_auto_precision_gives_plain_decodings_logprobs_while_prom
     assert fast == plain
 
 
+def test_drafts_go_as_rows_only_beside_another_sequence(tiny_qwen3_ir, every_draft, monkeypatch):
+    """auto: a request decoding alone verifies its drafts as one sequence (a lone one-token row takes another
+    attention path, so rows would not make it exact, only slower); beside another request, as one-token rows."""
+    steps = []  # steps with drafts: (requests in the step, whether every sequence is one token)
+
+    def recording(execute):
+        def run(seqs, shape=None):
+            wanted = [s for s in seqs if s.num_logits > 0]
+            if sum(s.num_logits for s in wanted) > len({tuple(s.block_ids) for s in wanted}):  # drafts
+                steps.append((len({tuple(s.block_ids) for s in wanted}), all(len(s.token_ids) == 1 for s in wanted)))
+            return execute(seqs, shape)
+
+        return run
+
+    real_init = Engine.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        monkeypatch.setattr(self.core.runner, "execute", recording(self.core.runner.execute))
+
+    monkeypatch.setattr(Engine, "__init__", init)
+    spec = {"speculative_tokens": 4, "speculation": "auto", "inference_precision": "auto", "kv_cache_precision": "u8"}
+    prompts = [TEXT[:20], TEXT[20:40]]
+    for n in (1, 2):
+        plain, _ = outputs(tiny_qwen3_ir, prompts[:n], 30)
+        steps.clear()
+        outputs(tiny_qwen3_ir, prompts[:n], 30, proposer=Oracle(prompts[:n], plain), **spec)
+        assert any(requests == n for requests, _ in steps), steps
+        assert all(rows == (requests > 1) for requests, rows in steps), steps
+
+
 def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwen3_fp16_ir, every_draft):
     """Each verified position applies the penalties and the eos mask as if the drafts before it were generated,
     and reports the logprob the plain sampler would."""

@@ -200,14 +200,14 @@ class EngineCore:
         for n in sizes:
             for i in range(repeats + 1):
                 start = time.perf_counter()
-                self.runner.execute(verify_inputs([0] * n, 8, blocks, self.draft_rows))
+                self.runner.execute(verify_inputs([0] * n, 8, blocks, one_token_rows=False))  # alone: _step_inputs
                 if i:
                     self.step_times.observe(n, time.perf_counter() - start)
         # and what a change of shape costs: steps alternating between no drafts and K, shapes seen above
         for i in range(2 * repeats):
             n = 1 + (i % 2) * self.config.speculative_tokens
             start = time.perf_counter()
-            self.runner.execute(verify_inputs([0] * n, 8, blocks, self.draft_rows))
+            self.runner.execute(verify_inputs([0] * n, 8, blocks, one_token_rows=False))
             self.step_times.observe_change(n, time.perf_counter() - start)
         self._measure_draft_costs()
 
@@ -371,9 +371,24 @@ class EngineCore:
         """Whether a step of `sequences` decoding sequences carrying `drafts` drafts in all can run in the shape
         of the last step on its copy (ShapeKeeper): for the draft rule, which places drafts within it."""
         tokens = sequences + drafts
-        # drafts as one-token rows: every token its own sequence; either way every token wants a logits row
-        needed = StepShape(tokens, tokens if self.draft_rows else sequences, tokens)
+        # drafts as one-token rows (_step_inputs): every token its own sequence; either way every token wants
+        # a logits row
+        rows = self.draft_rows and sequences > 1
+        needed = StepShape(tokens, tokens if rows else sequences, tokens)
         return self.shape_keeper.keeps(needed, self.runner.last_shapes.get(self.runner.copy_for_tokens(tokens)))
+
+    def _step_inputs(self, plan: StepPlan) -> list[StepInput]:
+        """The step's sequences. Drafts go as one-token rows (draft_rows) where the step has two sequences or
+        more on the f32 copy: a sequence alone there takes another attention path (its context is split among
+        the threads; a one-token row alone and beside a padding row differed by up to 0.75 in the logits from a
+        400-token context on), so a request decoding alone gets no exact drafts either way, and one sequence
+        is the faster (the rows of 11 positions each read the whole context)."""
+        inputs = [row for c in plan.chunks for row in step_inputs(c, one_token_rows=False)]
+        if not self.draft_rows or not any(c.drafts for c in plan.chunks):
+            return inputs
+        if sum(not self.runner.is_long_piece(i) for i in inputs) < 2:
+            return inputs
+        return [row for c in plan.chunks for row in step_inputs(c, one_token_rows=True)]
 
     def _save_filled_blocks(self) -> None:
         """Queue the blocks this step filled for the disk tier, before any later step can reuse them."""
@@ -388,7 +403,7 @@ class EngineCore:
         # the result and is their only user otherwise.
         constrained = [c for c in sampled if c.request.matcher is not None]
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
-        inputs = [row for c in plan.chunks for row in step_inputs(c, self.draft_rows)]
+        inputs = self._step_inputs(plan)
         # the shape kept is that of the sequences on the f32 copy: long prompt pieces run apart, on the bf16 copy
         others = [i for i in inputs if not self.runner.is_long_piece(i)]
         shape = None
@@ -592,7 +607,7 @@ def step_inputs(chunk: ScheduledChunk, one_token_rows: bool) -> list[StepInput]:
     0.5 at the 99th percentile, and greedy replies with drafts differed from plain decoding's. One-token rows
     cost as much at 1-2 drafts and 5-12% more at 5 (more reads of the context), so by default (verify_drafts
     auto) they are used where they make speculation exact: where decoding rows run in f32
-    (ModelRunner.rows_alike_in_every_step)."""
+    (ModelRunner.rows_alike_in_every_step), in steps of two sequences or more (EngineCore._step_inputs)."""
     if not chunk.drafts:
         return [StepInput(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits)]
     return verify_inputs(chunk.token_ids, chunk.start, chunk.block_ids, one_token_rows)
