@@ -70,6 +70,27 @@ def test_a_piece_cut_short_by_the_budget_ends_at_the_next_multiple():
     assert prompt_cuts(12, decoding=6) == [10, 12, 22, 24, 30]
 
 
+def test_a_second_prompt_piece_waits_rather_than_being_cut_short():
+    """Two prompts arriving together beside 3 decoding requests: 3 + 8 tokens leave 5 of the budget's 16, and
+    the second prompt's piece of 8 waits for the next step instead of ending at 5. Every cut falls on a
+    multiple of 8, as it would alone."""
+    s = make(budget=16, max_num_seqs=8, piece=8)
+    for i in range(3):
+        s.add(request(f"o{i}", 1, start=1000 * (i + 1), max_new_tokens=50))
+    step(s)
+    first, second = request("p", 20, start=100), request("q", 20, start=200)
+    s.add(first)
+    s.add(second)
+    cuts: dict[str, list[int]] = {"p": [], "q": []}
+    while first.num_output_tokens == 0 or second.num_output_tokens == 0:
+        plan = step(s)
+        assert sum(c.num_tokens - len(c.drafts) > 1 for c in plan.chunks) <= 2
+        for c in plan.chunks:
+            if c.request in (first, second) and c.start < 20:
+                cuts[c.request.label].append(c.start + c.num_tokens)
+    assert cuts == {"p": [8, 16, 20], "q": [8, 16, 20]}
+
+
 def test_a_prompt_computed_in_pieces_keeps_the_blocks_it_still_needs():
     # with room left beside a piece, a waiting request was admitted into the blocks the prompt had yet to
     # fill, and the prompt's next pieces preempted it (its prefill thrown away)

@@ -104,6 +104,11 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def holds_piece(self) -> bool:
+        """Whether a chunk of the step computes a piece of a prompt (more than one token besides drafts)."""
+        return any(c.num_tokens - len(c.drafts) > 1 for c in self.chunks)
+
+    @property
     def sampled(self) -> list[Request]:
         """The requests whose last planned token is sampled this step, in the order of their logits rows."""
         return [c.request for c in self.chunks if c.sample]
@@ -254,8 +259,8 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = self._piece(request, request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, plan):
+            num_new = self._piece(request, request.num_computed_tokens, budget, whole=plan.holds_piece)
+            if num_new == 0 or not self._allocate_or_preempt(request, num_new, plan):
                 continue
             drafts = chosen_drafts.get(request.id, ())[: budget - num_new] if num_new == 1 else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running
@@ -269,14 +274,19 @@ class Scheduler:
             self._admit_waiting(budget, plan)
         return plan
 
-    def _piece(self, request: Request, start: int, budget: int) -> int:
+    def _piece(self, request: Request, start: int, budget: int, whole: bool = False) -> int:
         """How many tokens from `start` a request computes this step: up to the next multiple of
         prompt_piece_tokens, so a prompt is cut at the same places however busy the step is. Keys computed
         in the same piece attend to each other before they are stored in the cache's precision, and the
-        attention takes another path for them, so where the cuts fall changes a reply's later tokens."""
+        attention takes another path for them, so where the cuts fall changes a reply's later tokens. With
+        whole (a step that already holds a prompt piece), a piece the budget would cut short is 0: it waits
+        for the next step rather than end where the step's room does. The first piece of a step is still
+        cut, so a prompt always moves on."""
         num_new = request.num_tokens - start
         if self.prompt_piece_tokens and num_new > 1:
             num_new = min(num_new, self.prompt_piece_tokens - start % self.prompt_piece_tokens)
+            if whole and num_new > budget:
+                return 0
         return min(num_new, budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
@@ -314,7 +324,9 @@ class Scheduler:
             on_disk = self._on_disk(request, prefix.num_tokens)
             if on_disk is None:
                 continue  # another request is restoring its blocks: it waits for that load to end
-            num_new = 0 if on_disk else self._piece(request, prefix.num_tokens, budget)
+            num_new = 0 if on_disk else self._piece(request, prefix.num_tokens, budget, whole=plan.holds_piece)
+            if not on_disk and num_new == 0:
+                break  # its piece would be cut short: it waits for a step with room; first come, first served
             num_tokens = prefix.num_tokens + len(on_disk) * self.kv.block_size + num_new
             if not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
                 break  # wait for blocks to be freed; first come, first served
@@ -375,10 +387,14 @@ class Scheduler:
         """The step's tokens and sampled requests before any drafts: what the running requests will compute
         (waiting ones admitted after them are not known yet)."""
         tokens = sampled = sequences = 0
+        holds_piece = False
         for request in self.running:
-            num_new = self._piece(request, request.num_computed_tokens, budget - tokens)
-            if num_new <= 0:
+            if tokens >= budget:
                 break
+            num_new = self._piece(request, request.num_computed_tokens, budget - tokens, whole=holds_piece)
+            if num_new == 0:
+                continue
+            holds_piece = holds_piece or request.num_tokens - request.num_computed_tokens > 1
             tokens += num_new
             sequences += 1
             sampled += request.num_computed_tokens + num_new == request.num_tokens
