@@ -32,6 +32,8 @@ SAMPLED_ROWS = "sampled_rows"
 # plain decoding's greedy replies at 8 streams matched those of the same prompts at another load in only 34 of
 # 64; and the two steps took 0.77-0.84x the time of the one (a piece with 1, 3 or 7 rows at context 400).
 LARGE_STEP_TOKENS = 32
+# Logits rows the bf16 inference of long prompt pieces computes at least (execute)
+PIECE_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class ModelRunner:
             properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = config.dq_group_size
         self.compiled = core.compile_model(model, "CPU", properties)
         self.request = self.compiled.create_infer_request()
-        # auto: a second copy in bf16 for large steps (prompt chunks), where the plugin would choose bf16. The
+        # auto: a second copy in bf16 for long prompt pieces, where the plugin would choose bf16. The
         # two share the KV cache, so its element type must be the same in both: it is for a u8 cache, while the
         # plugin turns an f16 cache of a bf16 model into bf16 (so no copy is compiled for another cache).
         self.large_step_request: ov.InferRequest | None = None
@@ -107,12 +109,13 @@ class ModelRunner:
             large = core.compile_model(model, "CPU", properties | {"INFERENCE_PRECISION_HINT": "bf16"})
             if _cache_types(large) == _cache_types(self.compiled):
                 self.large_step_request = large.create_infer_request()
-                self.activation_precision = f"f32, bf16 above {LARGE_STEP_TOKENS} tokens a step"
+                self.activation_precision = f"f32, bf16 for prompt pieces above {LARGE_STEP_TOKENS} tokens"
         # The shape of each compiled copy's last step: a step of another shape costs the plugin time to prepare
         # its kernels and buffers, so a step's time says what its tokens cost only when its copy's shape is
         # unchanged (the block table's length changes as sequences grow, at no measurable cost: not part of it)
         self.last_shapes: dict[str, StepShape] = {}  # by copy: "main", "single_token", "large_step"
-        self.shape_changed = True
+        self.shape_changed = True  # the last step's sequences but long prompt pieces changed shape
+        self.pieces_shape_changed = False  # the last step's long prompt pieces changed shape (large_step)
         # Dynamic quantization of activations makes the int8 matmuls fast from two tokens up, but a
         # one-token step (one stream decoding) ran faster without it on the Qwen3-4B shape here: 165-177 ms
         # against 195-230 ms, while at 8 tokens it is 2.2x slower. The setting is fixed at compile time,
@@ -209,14 +212,19 @@ class ModelRunner:
         it (ShapeKeeper chose it; it must be one they pad to)."""
         long_pieces = [s for s in seqs if self.is_long_piece(s)]
         others = [s for s in seqs if not self.is_long_piece(s)]
+        self.pieces_shape_changed = False
         if not long_pieces:
             return self._infer(self.copy_for(others), others, shape)
-        pieces_logits = self._infer("large_step", long_pieces, None)
-        changed = self.shape_changed
+        # in bf16 the final matmul rounds a row by how many rows it computes: a prompt's first logits moved by
+        # up to 0.03 beside another prompt ending in the same step, and not at all with the rows padded to 8
+        needed = StepShape.of([len(s.token_ids) for s in long_pieces], [s.num_logits for s in long_pieces])
+        pieces_shape = StepShape(needed.tokens, needed.sequences, max(needed.rows, PIECE_ROWS))
+        pieces_logits = self._infer("large_step", long_pieces, pieces_shape)
+        self.pieces_shape_changed = self.shape_changed
         if not others:
+            self.shape_changed = False
             return pieces_logits
         others_logits = self._infer(self.copy_for(others), others, shape)
-        self.shape_changed = self.shape_changed or changed
         sources = {True: pieces_logits, False: others_logits}
         taken = {True: 0, False: 0}
         rows = []
@@ -233,7 +241,8 @@ class ModelRunner:
         if shape is not None and shape != needed:
             if not needed.pads_to(shape):
                 raise ValueError(f"a step of shape {needed} cannot be padded to {shape}")
-            seqs = [*seqs, *self._padding(shape.sequences - needed.sequences, shape.tokens - needed.tokens)]
+            if shape.sequences > needed.sequences:  # else only logits rows are added, below
+                seqs = [*seqs, *self._padding(shape.sequences - needed.sequences, shape.tokens - needed.tokens)]
         else:
             shape = needed
         input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64)
@@ -270,10 +279,11 @@ class ModelRunner:
 
     @property
     def rows_alike_in_every_step(self) -> bool:
-        """Whether a row of a step of more than one token is computed the same way whatever else the step holds:
-        every such step's sequences but long prompt pieces run on one compiled copy, in f32 activations (in
-        bf16 the matmul kernels depend on a step's row count: SmolLM2 int8 on this AMX host gave a decoding
-        row beside 1 or 3 others other logits, by up to 0.5, than beside 4 or more)."""
+        """Whether a decoding row in a step of two sequences or more on the f32 copy is computed the same way
+        whatever else the step holds: every step's sequences but long prompt pieces run on one compiled copy,
+        in f32 activations (in bf16 the matmul kernels depend on a step's row count: SmolLM2 int8 on this AMX
+        host gave a decoding row beside 1 or 3 others other logits, by up to 0.5, than beside 4 or more). A
+        sequence alone on that copy takes another attention path (EngineCore._step_inputs)."""
         return self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
 
     def copy_for(self, seqs: Sequence[StepInput]) -> str:

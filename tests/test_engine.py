@@ -288,7 +288,7 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
         beside = runner.execute([decoding[0], piece, *decoding[1:]])
         assert runner.last_shapes.keys() == {"main", "large_step"}
         assert runner.last_shapes["main"] == StepShape(3, 3, 3)
-        assert runner.last_shapes["large_step"] == StepShape(40, 1, 1)
+        assert runner.last_shapes["large_step"] == StepShape(40, 1, 8)  # logits rows padded to 8 in bf16
         assert beside.shape == (4, alone.shape[1])
         # the decoding rows are computed as without the piece, to the bit, and come back in the step's order
         assert np.array_equal(beside[[0, 2, 3]], alone)
@@ -301,6 +301,20 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
         assert runner.copy_for(many) == "main" and runner.last_shapes["main"] == StepShape(34, 31, 30)
     f16_cache = EngineConfig(kv_cache_gb=0.02, kv_cache_precision="f16", inference_precision="auto")
     assert ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", f16_cache).large_step_request is None  # bf16's
+
+
+def test_a_prompts_first_logits_do_not_depend_on_another_prompt_ending_in_its_step(tiny_qwen3_ir):
+    """int8 weights at auto: two prompts' last pieces in one bf16 inference. bf16 rounds a row by how many
+    rows the final matmul computes (0.03 apart here with one row against two), so that inference computes 8
+    rows at least: the first prompt's logits are those it gets alone."""
+    runner = ModelRunner(tiny_qwen3_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
+    if runner.large_step_request is None:
+        pytest.skip("no bf16 copy on this CPU")
+    rng = random.Random(1)
+    first, ending = ([rng.randrange(100, 150_000) for _ in range(64)] for _ in range(2))
+    alone = runner.execute([StepInput(first, 0, [0, 1, 2], 1)])[0].copy()
+    together = runner.execute([StepInput(first, 0, [0, 1, 2], 1), StepInput(ending, 0, [20, 21, 22], 1)])
+    assert np.array_equal(together[0], alone)
 
 
 def test_fast_single_stream_shares_the_kv_cache(tiny_qwen3_fp16_ir, reference):

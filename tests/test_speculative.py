@@ -774,6 +774,39 @@ def test_a_short_guess_is_padded_to_the_number_of_drafts_its_step_keeps():
     assert constrained.schedule(five_drafts).chunks[0].drafts == (5, 6, 7, 4)  # never padded past a grammar's check
 
 
+def test_drafts_leave_room_for_the_prompt_pieces_after_them():
+    """Other requests' drafts never decide where a prompt is cut: with a budget of 32, pieces of 24 and two
+    requests decoding with up to 5 drafts each, a prompt arriving is cut at 24 and 40 as without speculation
+    (drafts took the room and cut it at 20 first)."""
+
+    def cuts(speculation: str) -> list[int]:
+        config = EngineConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            prompt_chunk_tokens=24,
+            speculation=speculation,
+            speculative_tokens=5,
+            speculative_max_seqs=4,
+        )
+        s = Scheduler(config, KVCacheManager(64, BS), 128, step_times=StepTimes(1000.0))
+        for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 9] * 2, [11, 12, 13, 14, 15, 16, 17, 18, 19] * 2):
+            decoding(s, prompt)
+        for _ in range(3):  # their guesses copy: drafts from here on
+            plan = s.schedule()
+            s.update(plan, [[c.drafts[0] if c.drafts else 5] for c in plan.chunks if c.sample])
+        prompt = Request(next(IDS), list(range(100, 140)), SamplingParams(max_new_tokens=1))
+        s.add(prompt)
+        ends, drafted = [], 0
+        while prompt.num_output_tokens == 0:
+            plan = s.schedule()
+            drafted += sum(len(c.drafts) for c in plan.chunks)
+            s.update(plan, [[c.drafts[0] if c.drafts else 5] for c in plan.chunks if c.sample])
+            ends += [c.start + c.num_tokens for c in plan.chunks if c.request is prompt]
+        return ends if speculation == "off" or drafted else []
+
+    assert cuts("off") == cuts("auto") == [24, 40]
+
+
 def test_drafts_never_preempt_and_leave_others_their_block():
     s = scheduler(k=3, num_blocks=4)
     s.speculative_tokens = 0  # set the scene without drafts

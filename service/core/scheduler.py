@@ -2,9 +2,10 @@
 
 Every request has num_tokens (prompt + generated) and num_computed_tokens; each step shares the token
 budget out, running requests first, then waiting ones in arrival order. A prompt is computed in pieces
-that end at multiples of prompt_piece_tokens (or where the step's budget runs out), side by side with
-other requests' decode tokens. A waiting request is admitted only while each running request keeps the
-blocks for the rest of its prompt and one more to grow into. When blocks
+that end at multiples of prompt_piece_tokens, side by side with other requests' decode tokens; only a
+step's first piece ends where the budget runs out, a second one that would waits for the next step, and
+drafts never take the room of the pieces planned after them. A waiting request is admitted only while
+each running request keeps the blocks for the rest of its prompt and one more to grow into. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
 (mostly from the prefix cache).
 
@@ -254,15 +255,25 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
         chosen_drafts = self._plan_drafts(budget, keeps_shape) if speculate else {}
+        # drafts never cut the prompt pieces of requests after them short: their room is held for them, and
+        # for the first waiting request's first piece where there is a place for it (its prefix hit unknown
+        # yet, so a whole piece)
+        largest = self.max_num_batched_tokens
+        pieces_after = sum(self._piece(r, r.num_computed_tokens, largest) for r in self.running if self._prefills(r))
+        if self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
+            pieces_after += self._piece(self.waiting[0], 0, largest)
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._prefills(request):
+                pieces_after -= self._piece(request, request.num_computed_tokens, largest)
             num_new = self._piece(request, request.num_computed_tokens, budget, whole=plan.holds_piece)
             if num_new == 0 or not self._allocate_or_preempt(request, num_new, plan):
                 continue
-            drafts = chosen_drafts.get(request.id, ())[: budget - num_new] if num_new == 1 else ()
+            room = budget - num_new - max(0, pieces_after)
+            drafts = chosen_drafts.get(request.id, ())[: max(0, room)] if num_new == 1 else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running
             # request its block to grow into
             target = request.num_computed_tokens + num_new + len(drafts)
@@ -288,6 +299,12 @@ class Scheduler:
             if whole and num_new > budget:
                 return 0
         return min(num_new, budget)
+
+    @staticmethod
+    def _prefills(request: Request) -> bool:
+        """Whether a running request has more than one token to compute: a piece of its prompt (or, after a
+        preemption, of its prompt and output)."""
+        return request.num_tokens - request.num_computed_tokens > 1
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         target = request.num_computed_tokens + num_new
@@ -394,7 +411,7 @@ class Scheduler:
             num_new = self._piece(request, request.num_computed_tokens, budget - tokens, whole=holds_piece)
             if num_new == 0:
                 continue
-            holds_piece = holds_piece or request.num_tokens - request.num_computed_tokens > 1
+            holds_piece = holds_piece or num_new > 1
             tokens += num_new
             sequences += 1
             sampled += request.num_computed_tokens + num_new == request.num_tokens

@@ -97,7 +97,9 @@ class ShapeKeeper:
 
     def _with_room(self, needed: StepShape) -> StepShape:
         if needed.tokens == needed.sequences or needed.tokens >= self.times.max_tokens:
-            return needed  # no drafts (plain decoding keeps its shape until a request comes or goes), or a prompt
+            # one token a sequence: plain decoding (it keeps its shape until a request comes or goes) or drafts
+            # as one-token rows (their steps pad down to the last shape while that pays); or a prompt
+            return needed
         alike = [s for s in self.recent if s.sequences == needed.sequences]
         roomy = StepShape(
             max(s.tokens for s in alike) + 1, needed.sequences + 1, max(max(s.rows for s in alike), needed.rows)

@@ -418,7 +418,9 @@ class EngineCore:
         tokens = plan.num_tokens + padding.tokens
         # the cost table counts requests (and padding sequences), not the one-token rows of drafts
         sequences = len(plan.chunks) + padding.sequences
-        if self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
+        if self.runner.pieces_shape_changed:
+            pass  # the bf16 copy prepared kernels for the pieces' new shape: neither a step's cost nor a change's
+        elif self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
             self.num_shape_changes += 1
             self.step_times.observe_change(tokens, seconds, sequences)
         else:
