@@ -30,7 +30,8 @@ SAMPLED_ROWS = "sampled_rows"
 # a piece run apart from it, on the f32 copy (execute): a decoding row is then computed one way whatever shares
 # its step. Beside a 256-token piece in one bf16 step, SmolLM2 int8 rows moved by up to 0.6 in the logits, and
 # plain decoding's greedy replies at 8 streams matched those of the same prompts at another load in only 34 of
-# 64; and the two steps took 0.77-0.84x the time of the one (a piece with 1, 3 or 7 rows at context 400).
+# 64; the second inference made a cycle of a new prompt's two pieces beside 7 decoding rows and 14 decode steps
+# take 1.02x the time (contexts of 300-400).
 LARGE_STEP_TOKENS = 32
 # Logits rows the bf16 inference of long prompt pieces computes at least (execute)
 PIECE_ROWS = 8
@@ -205,13 +206,20 @@ class ModelRunner:
             and seq.num_logits < len(seq.token_ids)
         )
 
+    def split(self, seqs: Sequence[StepInput]) -> tuple[list[StepInput], list[StepInput]]:
+        """A step's long prompt pieces (is_long_piece: the bf16 copy's) and its other sequences, each in order."""
+        long_pieces: list[StepInput] = []
+        others: list[StepInput] = []
+        for s in seqs:
+            (long_pieces if self.is_long_piece(s) else others).append(s)
+        return long_pieces, others
+
     def execute(self, seqs: Sequence[StepInput], shape: StepShape | None = None) -> np.ndarray:
         """Run one step; returns the wanted logits rows of every sequence, in order, [sum of num_logits, vocab].
-        Long prompt pieces (is_long_piece) run on the bf16 copy, the other sequences on the copy copy_for
-        picks, as a second inference where the step has both. With a shape, the other sequences run padded to
-        it (ShapeKeeper chose it; it must be one they pad to)."""
-        long_pieces = [s for s in seqs if self.is_long_piece(s)]
-        others = [s for s in seqs if not self.is_long_piece(s)]
+        Long prompt pieces (split) run on the bf16 copy, the other sequences on the copy copy_for picks, as a
+        second inference where the step has both. With a shape, the other sequences run padded to it
+        (ShapeKeeper chose it; it must be one they pad to)."""
+        long_pieces, others = self.split(seqs)
         self.pieces_shape_changed = False
         if not long_pieces:
             return self._infer(self.copy_for(others), others, shape)
@@ -225,14 +233,12 @@ class ModelRunner:
             self.shape_changed = False
             return pieces_logits
         others_logits = self._infer(self.copy_for(others), others, shape)
-        sources = {True: pieces_logits, False: others_logits}
-        taken = {True: 0, False: 0}
-        rows = []
-        for s in seqs:
-            long = self.is_long_piece(s)
-            rows.append(sources[long][taken[long] : taken[long] + s.num_logits])
-            taken[long] += s.num_logits
-        return np.concatenate(rows)
+        # each part's rows are in its sequences' order: deal them back out in the step's
+        rows = {
+            True: iter(_rows_by_sequence(pieces_logits, long_pieces)),
+            False: iter(_rows_by_sequence(others_logits, others)),
+        }
+        return np.concatenate([next(rows[self.is_long_piece(s)]) for s in seqs])
 
     def _infer(self, copy: str, seqs: Sequence[StepInput], shape: StepShape | None) -> np.ndarray:
         """One inference of these sequences on one compiled copy, padded to shape if given."""
@@ -283,7 +289,7 @@ class ModelRunner:
         whatever else the step holds: every step's sequences but long prompt pieces run on one compiled copy,
         in f32 activations (in bf16 the matmul kernels depend on a step's row count: SmolLM2 int8 on this AMX
         host gave a decoding row beside 1 or 3 others other logits, by up to 0.5, than beside 4 or more). A
-        sequence alone on that copy takes another attention path (EngineCore._step_inputs)."""
+        sequence alone on that copy takes another attention path (EngineCore._drafts_as_rows)."""
         return self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
 
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
@@ -304,6 +310,11 @@ class ModelRunner:
         pads = [StepInput([0], 0, [block], 0) for block in self.pad_blocks[: num_sequences - 1]]
         blocks = self.pad_blocks[num_sequences - 1 : num_sequences - 1 + -(-last // self.block_size)]
         return [*pads, StepInput([0] * last, 0, blocks, 0)]
+
+
+def _rows_by_sequence(logits: np.ndarray, seqs: Sequence[StepInput]) -> list[np.ndarray]:
+    """An inference's logits rows cut into each sequence's num_logits rows."""
+    return np.split(logits, np.cumsum([s.num_logits for s in seqs])[:-1])
 
 
 def _cache_ports(compiled: ov.CompiledModel) -> list[ov.Output]:

@@ -259,7 +259,8 @@ class Scheduler:
         # for the first waiting request's first piece where there is a place for it (its prefix hit unknown
         # yet, so a whole piece)
         largest = self.max_num_batched_tokens
-        pieces_after = sum(self._piece(r, r.num_computed_tokens, largest) for r in self.running if self._prefills(r))
+        pieces = {r.id: self._piece(r, r.num_computed_tokens, largest) for r in self.running if self._prefills(r)}
+        pieces_after = sum(pieces.values())
         if self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
             pieces_after += self._piece(self.waiting[0], 0, largest)
         for request in list(self.running):
@@ -267,8 +268,7 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            if self._prefills(request):
-                pieces_after -= self._piece(request, request.num_computed_tokens, largest)
+            pieces_after -= pieces.get(request.id, 0)
             num_new = self._piece(request, request.num_computed_tokens, budget, whole=plan.holds_piece)
             if num_new == 0 or not self._allocate_or_preempt(request, num_new, plan):
                 continue

@@ -200,7 +200,7 @@ class EngineCore:
         for n in sizes:
             for i in range(repeats + 1):
                 start = time.perf_counter()
-                self.runner.execute(verify_inputs([0] * n, 8, blocks, one_token_rows=False))  # alone: _step_inputs
+                self.runner.execute(verify_inputs([0] * n, 8, blocks, one_token_rows=False))  # alone: _drafts_as_rows
                 if i:
                     self.step_times.observe(n, time.perf_counter() - start)
         # and what a change of shape costs: steps alternating between no drafts and K, shapes seen above
@@ -371,22 +371,22 @@ class EngineCore:
         """Whether a step of `sequences` decoding sequences carrying `drafts` drafts in all can run in the shape
         of the last step on its copy (ShapeKeeper): for the draft rule, which places drafts within it."""
         tokens = sequences + drafts
-        # drafts as one-token rows (_step_inputs): every token its own sequence; either way every token wants
-        # a logits row
-        rows = self.draft_rows and sequences > 1
-        needed = StepShape(tokens, tokens if rows else sequences, tokens)
+        # drafts as one-token rows: every token its own sequence; either way every token wants a logits row
+        needed = StepShape(tokens, tokens if self._drafts_as_rows(sequences) else sequences, tokens)
         return self.shape_keeper.keeps(needed, self.runner.last_shapes.get(self.runner.copy_for_tokens(tokens)))
 
+    def _drafts_as_rows(self, sequences_on_f32: int) -> bool:
+        """Whether a step with this many sequences on the f32 copy (long prompt pieces apart) feeds drafts as
+        one-token rows (draft_rows): only beside another sequence. A sequence alone there takes another
+        attention path (its context is split among the threads; a one-token row alone and beside a padding
+        row differed by up to 0.75 in the logits from a 400-token context on), so a request decoding alone gets
+        no exact drafts either way, and one sequence is the faster (11 rows each read the whole context)."""
+        return self.draft_rows and sequences_on_f32 > 1
+
     def _step_inputs(self, plan: StepPlan) -> list[StepInput]:
-        """The step's sequences. Drafts go as one-token rows (draft_rows) where the step has two sequences or
-        more on the f32 copy: a sequence alone there takes another attention path (its context is split among
-        the threads; a one-token row alone and beside a padding row differed by up to 0.75 in the logits from a
-        400-token context on), so a request decoding alone gets no exact drafts either way, and one sequence
-        is the faster (the rows of 11 positions each read the whole context)."""
+        """The step's sequences, drafts as one-token rows where _drafts_as_rows says so."""
         inputs = [row for c in plan.chunks for row in step_inputs(c, one_token_rows=False)]
-        if not self.draft_rows or not any(c.drafts for c in plan.chunks):
-            return inputs
-        if sum(not self.runner.is_long_piece(i) for i in inputs) < 2:
+        if not any(c.drafts for c in plan.chunks) or not self._drafts_as_rows(len(self.runner.split(inputs)[1])):
             return inputs
         return [row for c in plan.chunks for row in step_inputs(c, one_token_rows=True)]
 
@@ -405,19 +405,19 @@ class EngineCore:
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         inputs = self._step_inputs(plan)
         # the shape kept is that of the sequences on the f32 copy: long prompt pieces run apart, on the bf16 copy
-        others = [i for i in inputs if not self.runner.is_long_piece(i)]
+        _, others = self.runner.split(inputs)
         shape = None
-        padding = StepShape(0, 0, 0)
+        padding_tokens = padding_sequences = 0
         if others:
             needed = StepShape.of([len(i.token_ids) for i in others], [i.num_logits for i in others])
             shape = self.shape_keeper.choose(needed, self.runner.last_shapes.get(self.runner.copy_for(others)))
-            padding = StepShape(shape.tokens - needed.tokens, shape.sequences - needed.sequences, 0)
+            padding_tokens, padding_sequences = shape.tokens - needed.tokens, shape.sequences - needed.sequences
         logits = self.runner.execute(inputs, shape)
         clock.lap("execute")
         seconds = clock.seconds["execute"]
-        tokens = plan.num_tokens + padding.tokens
+        tokens = plan.num_tokens + padding_tokens
         # the cost table counts requests (and padding sequences), not the one-token rows of drafts
-        sequences = len(plan.chunks) + padding.sequences
+        sequences = len(plan.chunks) + padding_sequences
         if self.runner.pieces_shape_changed:
             pass  # the bf16 copy prepared kernels for the pieces' new shape: neither a step's cost nor a change's
         elif self.runner.shape_changed:  # a new shape's step also prepares kernels: not what its tokens cost
@@ -609,7 +609,7 @@ def step_inputs(chunk: ScheduledChunk, one_token_rows: bool) -> list[StepInput]:
     0.5 at the 99th percentile, and greedy replies with drafts differed from plain decoding's. One-token rows
     cost as much at 1-2 drafts and 5-12% more at 5 (more reads of the context), so by default (verify_drafts
     auto) they are used where they make speculation exact: where decoding rows run in f32
-    (ModelRunner.rows_alike_in_every_step), in steps of two sequences or more (EngineCore._step_inputs)."""
+    (ModelRunner.rows_alike_in_every_step), in steps of two sequences or more (EngineCore._drafts_as_rows)."""
     if not chunk.drafts:
         return [StepInput(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits)]
     return verify_inputs(chunk.token_ids, chunk.start, chunk.block_ids, one_token_rows)
