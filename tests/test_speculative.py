@@ -622,19 +622,33 @@ def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
     assert (crowd.tokens + crowd.num_drafts, crowd.produced) == (37, pytest.approx(32 + stats.expected_tokens(5) - 1))
 
 
-def test_drafts_cost_by_the_sequence_not_by_the_step():
-    """Each decoding sequence's drafts add what they add to a one-sequence step: eight sequences with one
-    draft each cost eight times one draft's step difference, not the one-sequence curve's from 8 to 16
-    tokens (measured: 8 one-token sequences 20.1 ms, all with one draft 31.9 ms)."""
+def test_drafts_cost_by_the_rows_before_them_and_their_reads_of_the_context():
+    """A draft's rows cost what the one-sequence curve adds from the step's rows before them (n one-token rows
+    at a short context cost what one sequence of n tokens does: SmolLM2, flat up to 12 rows, then 0.6 ms a
+    row), so the first drafts of a step of 8 are nearly free and the later ones are not; beside other
+    sequences, the fitted DraftCosts add their reads of the context."""
     times = StepTimes()
-    for n, seconds in {1: 0.0132, 2: 0.0146, 4: 0.0157, 8: 0.0173, 16: 0.0210}.items():
+    for n, seconds in {8: 0.0130, 12: 0.0140, 16: 0.0180, 32: 0.0268}.items():
         times.observe(n, seconds)
-    times.observe(8, 0.0201, sequences=8)
+    times.observe(8, 0.0190, sequences=8)  # 8 decoding sequences at 600 tokens of context
+    missing = runs_of(*[0] * 10)
     step = StepCost(times, tokens=8, produced=8, sequences=8)
+    first = step.options(missing, 1).seconds[1]
+    assert first == pytest.approx(0.0130 + 0.0010 / 4 - 0.0130)  # 8 to 9 rows
     for _ in range(8):
-        step.add(1, step.options(runs_of(*[0] * 10), 1))
-    assert step.seconds == pytest.approx(0.0201 + 8 * (0.0146 - 0.0132))
-    assert times.draft_cost(0) == 0 and times.draft_cost(5) == pytest.approx(0.0157 + (0.0173 - 0.0157) / 2 - 0.0132)
+        step.add(1, step.options(missing, 1))
+    assert step.seconds == pytest.approx(0.0190 + 0.0180 - 0.0130)  # 8 to 16 rows
+    assert step.options(missing, 1).seconds[1] > 2 * first  # a seventeenth row costs more than the ninth
+    times.draft_costs = DraftCosts(per_draft_context_token=0.0000013)  # as one-token rows, each reads the context
+    step = StepCost(times, tokens=8, produced=8, sequences=8)
+    assert step.options(missing, 3, context=600).seconds[3] == pytest.approx(
+        0.0010 * 3 / 4 + 3 * 0.0000013 * 600  # 8 to 11 rows, and the context read by each
+    )
+    for _ in range(8):
+        step.add(1, step.options(missing, 1, context=600))
+    assert step.seconds == pytest.approx(0.0190 + 0.0180 - 0.0130 + 8 * 0.0000013 * 600)
+    # alone: the curve's difference from the one row (below 8 tokens, along the prior line, F = 8)
+    assert times.draft_cost(0) == 0 and times.draft_cost(5, context=600) == pytest.approx(0.0130 * (6 - 1) / 16)
 
 
 def test_a_step_keeps_its_shape_unless_a_change_pays():
@@ -980,37 +994,58 @@ def test_one_wild_step_moves_the_estimate_little():
     assert flat.overhead == 64.0
 
 
-def test_draft_costs_are_fitted_by_drafts_drafting_sequences_and_their_context():
-    """Steps of 8 sequences measured on SmolLM2 (ms added by drafts, at 8 and 1000 tokens of context): one
-    draft for each of the 8 and ten for one of them. The fit splits them into a draft's, a drafting
-    sequence's and a context token's share, and predicts the layouts it was not given."""
-    truth = DraftCosts(per_draft=0.0004, per_sequence=0.0002, per_context_token=0.0000025)
+def test_draft_costs_are_fitted_to_what_the_rows_share_does_not_explain():
+    """Steps of 8 sequences (ms added by drafts, at 8 and 1000 tokens of context): one draft for each of the 8,
+    ten for one of them, and two layouts between. What the one-sequence curve says their rows add is taken
+    off; as one sequence, the fit splits the rest into a drafting sequence's and a context token's share, as
+    one-token rows into a draft's context token's; each predicts the layouts it was not given."""
+    times = StepTimes()
+    for n, seconds in {1: 0.0100, 8: 0.0110, 16: 0.0150, 32: 0.0230}.items():
+        times.observe(n, seconds)
     layouts = [(1, 10), (8, 1), (4, 5), (8, 2)]
-    samples = [([(k, c)] * m, m * truth.of(k, c)) for c in (8, 1000) for m, k in layouts]
-    fitted = DraftCosts.fit(samples)
-    assert fitted.per_draft == pytest.approx(truth.per_draft)
-    assert fitted.per_sequence == pytest.approx(truth.per_sequence)
-    assert fitted.per_context_token == pytest.approx(truth.per_context_token)
-    assert fitted.of(3, 500) == pytest.approx(0.0004 * 3 + 0.0002 + 0.0000025 * 500)
+
+    def steps(truth: DraftCosts) -> list[tuple[list[tuple[int, int]], float]]:
+        return [([(k, c)] * m, times.rows_cost(8, m * k) + m * truth.of(k, c)) for c in (8, 1000) for m, k in layouts]
+
+    sequence = DraftCosts(per_sequence=0.0002, per_context_token=0.0000025)
+    times.fit_draft_costs(steps(sequence), 8, rows=False)
+    fitted = times.draft_costs
+    assert fitted is not None
+    assert fitted.per_sequence == pytest.approx(sequence.per_sequence)
+    assert fitted.per_context_token == pytest.approx(sequence.per_context_token)
+    assert fitted.per_draft_context_token == 0.0
+    assert fitted.of(3, 500) == pytest.approx(0.0002 + 0.0000025 * 500)
+    assert fitted.of(0, 500) == 0.0  # no drafts add nothing
+    rows = DraftCosts(per_draft_context_token=0.0000013)  # every draft reads the context
+    times.fit_draft_costs(steps(rows), 8, rows=True)
+    fitted = times.draft_costs
+    assert fitted is not None
+    assert fitted.per_draft_context_token == pytest.approx(rows.per_draft_context_token)
+    assert fitted.per_sequence == fitted.per_context_token == 0.0
+    assert fitted.of(10, 600) == pytest.approx(10 * fitted.of(1, 600))
     # noise that makes a share negative: it counts as none, never as drafts that save time
-    noisy = DraftCosts.fit([([(1, 8)], -0.001), ([(2, 8)], 0.0005), ([(1, 8), (1, 8)], 0.0002)])
-    assert min(noisy.per_draft, noisy.per_sequence, noisy.per_context_token) >= 0
+    for as_rows in (False, True):
+        noisy = DraftCosts.fit([([(1, 8)], -0.001), ([(2, 8)], 0.0005), ([(1, 8), (1, 8)], 0.0002)], as_rows)
+        assert min(noisy.per_sequence, noisy.per_context_token, noisy.per_draft_context_token) >= 0
 
 
 def test_drafts_beside_other_sequences_cost_what_the_fit_and_the_live_steps_say():
-    """Beside other sequences a request's drafts cost DraftCosts' figure, scaled by what live draft steps
-    added against it; alone, the one-sequence curve's difference, never below 0 (its one-token entry is
-    another compiled copy's, and a noisy one made drafts look free)."""
+    """Beside other sequences a request's drafts cost their rows' share plus DraftCosts' reads of the context,
+    scaled by what live draft steps added against that; alone, the curve's difference only, never below 0
+    (its one-token entry is another compiled copy's, and a noisy one made drafts look free)."""
     times = StepTimes()
     for n, seconds in {1: 0.0130, 2: 0.0125, 6: 0.0150, 11: 0.0170}.items():
         times.observe(n, seconds)
     times.observe(8, 0.0170, sequences=8)
     assert times.draft_cost(1) == 0.0  # 12.5 ms against 13.0: not a saving
-    assert times.draft_cost(5, 8, 8, context=300) == pytest.approx(0.0150 - 0.0130)  # no fit yet: the curve
-    times.draft_costs = DraftCosts(per_draft=0.0005, per_sequence=0.0002, per_context_token=0.0000025)
-    assert times.draft_cost(5, 8, 8, context=300) == pytest.approx(0.0025 + 0.0002 + 0.00075)
-    assert times.draft_cost(5, 1, 1, context=300) == pytest.approx(0.0150 - 0.0130)  # alone: the curve
+    rows_share = times.rows_cost(8, 5)
+    # 8 to 13 rows: between measured sizes, then along the prior line (F = 8) beyond the largest
+    assert rows_share == pytest.approx(0.0170 * (8 + 13) / (8 + 11) - (0.0150 + (0.0170 - 0.0150) * 2 / 5))
+    assert times.draft_cost(5, 8, 8, context=300) == pytest.approx(rows_share)  # no fit yet: the rows' share
+    times.draft_costs = DraftCosts(per_draft_context_token=0.0000025)
     predicted = times.draft_cost(5, 8, 8, context=300)
+    assert predicted == pytest.approx(rows_share + 5 * 0.0000025 * 300)
+    assert times.draft_cost(5, 1, 1, context=300) == pytest.approx(0.0150 - 0.0130)  # alone: the curve
     for _ in range(30):  # live steps with one request's 5 drafts took twice what the fit says
         times.observe_drafts(13, 0.0170 + 2 * predicted, 8, [(5, 300)])
     assert 1.8 < times.draft_scale <= 2.0
@@ -1032,8 +1067,9 @@ def test_the_warm_up_fits_draft_costs_on_the_real_model(tiny_qwen3_fp16_ir):
     engine.start()
     try:
         costs = engine.core.step_times.draft_costs
-        assert costs is not None and min(costs.per_draft, costs.per_sequence, costs.per_context_token) >= 0
-        assert costs.of(5, 100) > 0
+        assert costs is not None
+        assert min(costs.per_sequence, costs.per_context_token, costs.per_draft_context_token) >= 0
+        assert costs.of(5, 100) >= 0 and engine.core.step_times.draft_cost(5, 8, 8, context=100) > 0
         assert engine.core.kv.pool.num_free == engine.core.kv.pool.num_blocks  # the warm-up took no block
     finally:
         engine.shutdown()

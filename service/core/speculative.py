@@ -219,12 +219,11 @@ class StepCost:
     """One step's time and expected output, for deciding how many drafts pay in it.
 
     Before drafts the step has `tokens` tokens in `sequences` sequences and yields `produced` tokens (one per
-    sampled request), in times.cost(tokens, sequences). Each request's drafts add what they add to a
-    one-sequence step, times.draft_cost(k), and E(k) - 1 expected tokens: drafts cost per sequence, not per
-    step (SmolLM2 int8, f32, 8 one-token sequences: 20.1 ms; one with 1 draft 21.3, all eight with 1 draft
-    31.9 ms, where one sequence of 16 tokens costs only 4 ms more than one of 8). Drafts are nearly free in a
-    small step, which is bound by reading the weights, and must be likely to be kept in a large one, which
-    is bound by compute; the measured table (StepTimes) says where a step is between the two."""
+    sampled request), in times.cost(tokens, sequences). Each request's drafts add times.draft_cost(k) at the
+    step's rows so far (its tokens and the drafts chosen before), and E(k) - 1 expected tokens. Drafts are
+    nearly free in a small step, which is bound by reading the weights, and must be likely to be kept in a
+    large one, which is bound by compute, or beside long contexts, which each draft row reads again; the
+    measured table (StepTimes) and fit (DraftCosts) say where a step is between the two."""
 
     times: StepTimes
     tokens: int  # before drafts
@@ -238,7 +237,7 @@ class StepCost:
         `stats`."""
         return DraftOptions(
             stats.expected_tokens_up_to(limit),
-            self.times.draft_costs_up_to(limit, self.tokens, self.sequences, context),
+            self.times.draft_costs_up_to(limit, self.tokens + self.num_drafts, self.sequences, context),
         )
 
     def rate(self, options: DraftOptions, num_drafts: int) -> float:
@@ -269,21 +268,23 @@ class StepCost:
         return self.produced / self.seconds
 
 
+Candidate = tuple[DraftStats, int, int]  # a decoding request: what its guesses earned, its limit, its tokens
+
+
 def choose_drafts(
-    cost: StepCost, requests: Sequence[tuple[DraftStats, int, int]], fits: Callable[[int], bool] | None = None
+    cost: StepCost, requests: Sequence[Candidate], fits: Callable[[int], bool] | None = None
 ) -> list[int]:
-    """The number of drafts for each of a step's decoding requests, given as (what its guesses earned, its
-    limit, its tokens so far): each request's best number in turn, each added to the step before the next is
-    judged. The step's shape is what a change costs, and fits(n) says whether a step carrying n drafts in all
-    keeps the last step's shape (None: there is none to keep). When the best numbers need another shape, they
-    are taken only if the time they save over HORIZON steps pays for CHANGES_PER_SWITCH changes; otherwise
-    the step takes the best numbers that keep the shape (fit_drafts). The whole step switches or none of it:
-    a request's own share of a many-request step is too small to pay for a change alone."""
-    options = [cost.options(stats, limit, context) for stats, limit, context in requests]
-    best, best_step = in_turn(cost, options)
+    """The number of drafts for each of a step's decoding requests: each request's best number in turn, each
+    added to the step before the next is judged (a draft's rows cost by the rows before them). The step's
+    shape is what a change costs, and fits(n) says whether a step carrying n drafts in all keeps the last
+    step's shape (None: there is none to keep). When the best numbers need another shape, they are taken only
+    if the time they save over HORIZON steps pays for CHANGES_PER_SWITCH changes; otherwise the step takes
+    the best numbers that keep the shape (fit_drafts). The whole step switches or none of it: a request's own
+    share of a many-request step is too small to pay for a change alone."""
+    best, best_step = in_turn(cost, requests)
     if fits is None or fits(best_step.num_drafts):
         return best
-    fitting = fit_drafts(cost, options, fits)
+    fitting = fit_drafts(cost, requests, fits)
     if fitting is None:
         return best
     fit, fit_step = fitting
@@ -292,18 +293,25 @@ def choose_drafts(
     return best if saved > switching else fit
 
 
-def in_turn(cost: StepCost, options: Sequence[DraftOptions], most: int | None = None) -> tuple[list[int], StepCost]:
-    """Each request's best number of drafts in turn, with at most `most` in all, and the step with them."""
+def in_turn(
+    cost: StepCost, requests: Sequence[Candidate], most: int | None = None, chosen: Sequence[int] | None = None
+) -> tuple[list[int], StepCost]:
+    """Each request's best number of drafts in turn, with at most `most` in all (or the numbers `chosen`), and
+    the step with them."""
     step = replace(cost)
-    chosen = []
-    for option in options:
-        chosen.append(step.best(option, None if most is None else most - step.num_drafts))
-        step.add(chosen[-1], option)
-    return chosen, step
+    numbers = []
+    for i, (stats, limit, context) in enumerate(requests):
+        option = step.options(stats, limit, context)
+        if chosen is not None:
+            numbers.append(chosen[i])
+        else:
+            numbers.append(step.best(option, None if most is None else most - step.num_drafts))
+        step.add(numbers[-1], option)
+    return numbers, step
 
 
 def fit_drafts(
-    cost: StepCost, options: Sequence[DraftOptions], fits: Callable[[int], bool]
+    cost: StepCost, requests: Sequence[Candidate], fits: Callable[[int], bool]
 ) -> tuple[list[int], StepCost] | None:
     """The best numbers of drafts whose total keeps the step's shape (fits), and the step with them; None
     when no total does. Drafts move freely between requests within a shape: one whose guess ran out gives its
@@ -311,20 +319,17 @@ def fit_drafts(
     nearest total that fits (a shape without a padding sequence takes exactly its tokens), first on requests
     that have drafts already: a sequence's first draft costs the most (it runs as a many-token query, which
     reads its context again), and a draft past the guess is still kept when it happens to be right."""
-    limits = [len(option.expected) - 1 for option in options]
+    limits = [limit for _, limit, _ in requests]
     totals = [n for n in range(sum(limits) + 1) if fits(n)]
     if not totals:
         return None
-    chosen, _ = in_turn(cost, options, max(totals))
+    chosen, _ = in_turn(cost, requests, max(totals))
     missing = min(n for n in totals if n >= sum(chosen)) - sum(chosen)
     for i in sorted(range(len(chosen)), key=lambda i: chosen[i] == 0):  # requests with drafts first
         extra = min(missing, limits[i] - chosen[i])
         chosen[i] += extra
         missing -= extra
-    step = replace(cost)
-    for k, option in zip(chosen, options, strict=True):
-        step.add(k, option)
-    return chosen, step
+    return in_turn(cost, requests, chosen=chosen)
 
 
 class StepTimes:
@@ -346,7 +351,7 @@ class StepTimes:
     with the fewest tokens (their plain decoding step, measured most often) plus what the one-sequence curve
     adds for the difference in tokens (a prompt chunk beside decoding sequences); live draft steps of many
     sequences are too few and too noisy to read directly (a lucky fast one made big drafts look cheap), and
-    drafts cost by the sequence (draft_cost, StepCost). Steps above
+    drafts cost by the rows and contexts they add (draft_cost, StepCost). Steps above
     max_tokens are left out: drafts are decided in small steps, and a long prompt chunk runs another kernel
     path."""
 
@@ -407,10 +412,11 @@ class StepTimes:
         draft steps took 19% longer than predicted."""
         if self.draft_costs is None or sequences < 2 or not drafts:  # the engine calls this for plain steps too
             return
-        base = self.predict(tokens - sum(k for k, _ in drafts), sequences)
+        num_drafts = sum(k for k, _ in drafts)
+        base = self.predict(tokens - num_drafts, sequences)
         if base is None:
             return
-        predicted = sum(self.draft_costs.of(k, context) for k, context in drafts)
+        predicted = self.rows_cost(tokens - num_drafts, num_drafts) + sum(self.draft_costs.of(k, c) for k, c in drafts)
         measured = min(max(seconds - base, 0.0), self.CLIP * predicted * self.MAX_DRAFT_SCALE)
         if self.drafts_predicted <= 0:  # the fit counts as one step at first: one noisy step moves the scale little
             self.drafts_measured = self.drafts_predicted = predicted
@@ -420,9 +426,8 @@ class StepTimes:
     @property
     def draft_scale(self) -> float:
         """Live draft steps' added time over what draft_costs predicted for them, within [1/MAX_DRAFT_SCALE,
-        MAX_DRAFT_SCALE]; 1 before any. Measured: the fit put one request's 4 drafts at 2.9 ms where they
-        added 1.9 (the warm-up's layouts give each drafting sequence of 8 its share, and the kernels charge
-        the first less than the eighth)."""
+        MAX_DRAFT_SCALE]; 1 before any: the warm-up measures at two contexts, on a quiet machine, and the live
+        steps follow the contexts and the load the requests bring."""
         if self.drafts_predicted <= 0:
             return 1.0
         ratio = self.drafts_measured / self.drafts_predicted
@@ -474,26 +479,39 @@ class StepTimes:
         f = self.prior_overhead
         return self.seconds[(1, nearest)] * (f + tokens) / (f + nearest)
 
-    def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> float:
-        """What num_drafts drafts for one decoding sequence, `context` tokens long, add to a step of `tokens`
-        tokens in `sequences` sequences: beside other sequences, the fitted DraftCosts, scaled by the live
-        steps (draft_scale); alone (or before they are fitted), the one-sequence curve's difference,
-        whose entries the live steps of a lone request keep up to date; before that is measured, the prior
-        line's slope in the step's own units."""
-        if not num_drafts:
-            return 0.0
-        if sequences > 1 and self.draft_costs is not None:
-            return self.draft_costs.of(num_drafts, context) * self.draft_scale
+    def rows_cost(self, tokens: int, num_drafts: int, sequences: int = 1) -> float:
+        """What num_drafts more rows add to a step of `tokens` tokens by the matmuls: the one-sequence curve's
+        difference (measured at a short context, where n one-token rows cost what one sequence of n tokens
+        does), never below 0; before the curve is measured, the prior line's, in the step's own units."""
         if self._one_sequence(1) is None:
             return self.cost(tokens + num_drafts, sequences) - self.cost(tokens, sequences)
-        return max(self.cost(1 + num_drafts) - self.cost(1), 0.0)
+        return max(self.cost(tokens + num_drafts) - self.cost(tokens), 0.0)
+
+    def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> float:
+        """What num_drafts drafts for one decoding sequence, `context` tokens long, add to a step of `tokens`
+        tokens (drafts chosen before included) in `sequences` sequences: their rows' share of the matmuls
+        (rows_cost), whose entries the live steps of a lone request keep up to date; beside other sequences,
+        plus their reads of the context (the fitted DraftCosts), both scaled by the live steps (draft_scale)."""
+        if not num_drafts:
+            return 0.0
+        rows = self.rows_cost(tokens, num_drafts, sequences)
+        if sequences > 1 and self.draft_costs is not None:
+            return (rows + self.draft_costs.of(num_drafts, context)) * self.draft_scale
+        return rows
 
     def draft_costs_up_to(self, limit: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> list[float]:
-        """draft_cost(k, ...) for k = 0 to limit (the fit's scale read once)."""
-        if sequences > 1 and self.draft_costs is not None:
-            fit, scale = self.draft_costs, self.draft_scale
-            return [0.0] + [fit.of(k, context) * scale for k in range(1, limit + 1)]
+        """draft_cost(k, ...) for k = 0 to limit."""
         return [self.draft_cost(k, tokens, sequences, context) for k in range(limit + 1)]
+
+    def fit_draft_costs(
+        self, samples: Sequence[tuple[Sequence[tuple[int, int]], float]], tokens: int, rows: bool
+    ) -> None:
+        """Fit draft_costs to steps of `tokens` one-token sequences, given as ((drafts, context) of each sequence
+        with drafts, the seconds they added to the same step without them): what the one-sequence curve does not
+        account for (rows_cost of all their drafts)."""
+        self.draft_costs = DraftCosts.fit(
+            [(seqs, added - self.rows_cost(tokens, sum(k for k, _ in seqs))) for seqs, added in samples], rows
+        )
 
     def cost(self, tokens: int, sequences: int = 1) -> float:
         """A step's cost, in seconds once a step was measured, before that along the prior line: only
@@ -513,29 +531,42 @@ class StepTimes:
 
 @dataclass(frozen=True)
 class DraftCosts:
-    """What a decoding sequence's k drafts add to a step of several sequences, in seconds: per_draft for each
-    draft (the matmuls' rows), and per_sequence plus per_context_token for each token of its context, for
-    running it as a many-token query (the attention kernel's path for those reads the context again, at a cost
-    that a one-token row's path does not pay). Measured, SmolLM2 int8 on 2 cores, 8 sequences: one draft for
-    each of them added 4.6 ms at 8 tokens of context, 10.6 ms at 300 and 22.1 ms at 1000, while 10 drafts for
-    one of them added 2.9, 5.3 and 6.5 ms; the one-sequence curve, read as before, put all of these at about
-    1 ms a draft, whatever the context, and a step with drafts ran 25 ms where 18.5 were predicted."""
+    """What a decoding sequence's k drafts add to a step of several sequences beyond their rows' share of the
+    matmuls (which StepTimes' one-sequence curve gives by the step's rows): the attention's reads of the
+    context, in seconds. As one-token rows, per_draft_context_token for each draft and token of context (every
+    row reads the whole context); as one many-token sequence, per_sequence plus per_context_token for each
+    token of context (the kernel's path for a many-token query reads the context again, once). Measured,
+    SmolLM2 int8 on 2 cores, 8 sequences, drafts as rows on the f32 copy: n one-token rows at a context of 8
+    cost what one sequence of n tokens does (12.9 against 13.0 ms at 8, 18.0 at 16, 26.8 against 26.2 at 32,
+    62.3 against 61.0 at 88), flat up to 12 rows and then 0.6 ms a row; at 1024 tokens of context each draft
+    added 1.3 us a token more (five drafts for each of the 8: 21.6 ms at a context of 8, 74.8 at 1024). A
+    fixed price per draft called the first three drafts of a step 1.6 ms where they added 0.1, and the live
+    steps then halved every draft's price."""
 
-    per_draft: float
-    per_sequence: float
-    per_context_token: float
+    per_sequence: float = 0.0
+    per_context_token: float = 0.0
+    per_draft_context_token: float = 0.0
 
     def of(self, num_drafts: int, context: int) -> float:
-        return self.per_draft * num_drafts + self.per_sequence + self.per_context_token * context
+        if not num_drafts:
+            return 0.0
+        reads = num_drafts * self.per_draft_context_token + self.per_context_token
+        return self.per_sequence + reads * context
 
     @staticmethod
-    def fit(samples: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> DraftCosts:
+    def fit(samples: Sequence[tuple[Sequence[tuple[int, int]], float]], rows: bool) -> DraftCosts:
         """Least squares over steps given as ((drafts, context) of each sequence with drafts, the seconds they
-        added to the same step without them); a coefficient the fit makes negative counts as 0."""
-        rows = [[sum(k for k, _ in seqs), len(seqs), sum(c for _, c in seqs)] for seqs, _ in samples]
-        solution = np.linalg.lstsq(np.array(rows, dtype=float), np.array([e for _, e in samples]), rcond=None)[0]
-        per_draft, per_sequence, per_context_token = (max(float(x), 0.0) for x in solution)
-        return DraftCosts(per_draft, per_sequence, per_context_token)
+        added beyond their rows' share of the matmuls), by the terms of drafts as one-token rows (rows) or as
+        one sequence; a coefficient the fit makes negative counts as 0."""
+        if rows:
+            features = [[sum(k * c for k, c in seqs)] for seqs, _ in samples]
+        else:
+            features = [[len(seqs), sum(c for _, c in seqs)] for seqs, _ in samples]
+        added = np.array([e for _, e in samples])
+        solution = [max(float(x), 0.0) for x in np.linalg.lstsq(np.array(features, dtype=float), added, rcond=None)[0]]
+        if rows:
+            return DraftCosts(per_draft_context_token=solution[0])
+        return DraftCosts(*solution)
 
 
 def accept_greedy(drafts: Sequence[int], model_tokens: Sequence[int]) -> list[int]:

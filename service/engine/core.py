@@ -30,7 +30,7 @@ from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
-from service.core.speculative import DraftCosts, StepTimes
+from service.core.speculative import StepTimes
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
 from service.core.step_shape import ShapeKeeper, StepShape
 from service.engine.disk_store import DiskStore
@@ -157,9 +157,9 @@ class EngineCore:
             if self.step_times.draft_costs is not None:
                 costs = self.step_times.draft_costs
                 log.info(
-                    "speculative decoding: beside other sequences, a sequence's drafts add %.2f ms each, plus "
-                    "%.2f ms and %.2f ms per 1000 tokens of its context",
-                    1000 * costs.per_draft,
+                    "speculative decoding: beside other sequences, a sequence's drafts add to their rows' share "
+                    "%.2f ms each per 1000 tokens of its context, plus %.2f ms and %.2f ms per 1000 tokens of it",
+                    1e6 * costs.per_draft_context_token,
                     1000 * costs.per_sequence,
                     1e6 * costs.per_context_token,
                 )
@@ -194,7 +194,7 @@ class EngineCore:
         as drafts want them, each size run repeats times after one unmeasured step (which prepares the
         kernels of its new shape). The live steps take over from there."""
         largest = min(self.step_times.max_tokens, self.config.max_num_batched_tokens)
-        sizes = sorted({*range(1, self.config.speculative_tokens + 2), 8, 16, 32})
+        sizes = sorted({*range(1, self.config.speculative_tokens + 2), 8, 16, 32, 48, 64})
         sizes = [n for n in sizes if n <= largest]
         blocks = list(range(-(-(8 + max(sizes)) // self.runner.block_size)))
         for n in sizes:
@@ -247,7 +247,7 @@ class EngineCore:
             for drafting, num_drafts in layouts[1:]:
                 added = seconds[(drafting, num_drafts)] - seconds[(0, 0)]
                 samples.append(([(num_drafts, context)] * drafting, added))
-        self.step_times.draft_costs = DraftCosts.fit(samples)
+        self.step_times.fit_draft_costs(samples, s, self.draft_rows)
 
     def stop(self) -> None:
         """Fail what is left with UNAVAILABLE and end the thread."""
