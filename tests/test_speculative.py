@@ -627,10 +627,15 @@ def test_drafts_cost_by_the_rows_before_them_and_their_reads_of_the_context():
     at a short context cost what one sequence of n tokens does: SmolLM2, flat up to 12 rows, then 0.6 ms a
     row), so the first drafts of a step of 8 are nearly free and the later ones are not; beside other
     sequences, the fitted DraftCosts add their reads of the context."""
-    times = StepTimes()
-    for n, seconds in {8: 0.0130, 12: 0.0140, 16: 0.0180, 32: 0.0268}.items():
-        times.observe(n, seconds)
-    times.observe(8, 0.0190, sequences=8)  # 8 decoding sequences at 600 tokens of context
+
+    def measured() -> StepTimes:
+        times = StepTimes()
+        for n, seconds in {8: 0.0130, 12: 0.0140, 16: 0.0180, 32: 0.0268}.items():
+            times.observe(n, seconds)
+        times.observe(8, 0.0190, sequences=8)  # 8 decoding sequences at 600 tokens of context
+        return times
+
+    times = measured()
     missing = runs_of(*[0] * 10)
     step = StepCost(times, tokens=8, produced=8, sequences=8)
     first = step.options(missing, 1).seconds[1]
@@ -639,6 +644,9 @@ def test_drafts_cost_by_the_rows_before_them_and_their_reads_of_the_context():
         step.add(1, step.options(missing, 1))
     assert step.seconds == pytest.approx(0.0190 + 0.0180 - 0.0130)  # 8 to 16 rows
     assert step.options(missing, 1).seconds[1] > 2 * first  # a seventeenth row costs more than the ninth
+    times.observe(16, 0.0200)  # a live one-sequence step moves the curve: the next estimate follows it
+    assert times.rows_cost(8, 8) == pytest.approx(0.0190 - 0.0130)
+    times = measured()
     times.draft_costs = DraftCosts(per_draft_context_token=0.0000013)  # as one-token rows, each reads the context
     step = StepCost(times, tokens=8, produced=8, sequences=8)
     assert step.options(missing, 3, context=600).seconds[3] == pytest.approx(

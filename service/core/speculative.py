@@ -235,9 +235,14 @@ class StepCost:
     def options(self, stats: DraftStats, limit: int, context: int = 0) -> DraftOptions:
         """What 0 to limit drafts do in this step for a request `context` tokens long whose guesses earned
         `stats`."""
+        return self.options_of(stats.expected_tokens_up_to(limit), context)
+
+    def options_of(self, expected: list[float], context: int) -> DraftOptions:
+        """options() for a request whose expected tokens (expected_tokens_up_to) are known: what its drafts cost
+        depends on the drafts placed before it in the step, what they earn does not."""
+        limit = len(expected) - 1
         return DraftOptions(
-            stats.expected_tokens_up_to(limit),
-            self.times.draft_costs_up_to(limit, self.tokens + self.num_drafts, self.sequences, context),
+            expected, self.times.draft_costs_up_to(limit, self.tokens + self.num_drafts, self.sequences, context)
         )
 
     def rate(self, options: DraftOptions, num_drafts: int) -> float:
@@ -281,10 +286,11 @@ def choose_drafts(
     if the time they save over HORIZON steps pays for CHANGES_PER_SWITCH changes; otherwise the step takes
     the best numbers that keep the shape (fit_drafts). The whole step switches or none of it: a request's own
     share of a many-request step is too small to pay for a change alone."""
-    best, best_step = in_turn(cost, requests)
+    expected = [(stats.expected_tokens_up_to(limit), context) for stats, limit, context in requests]
+    best, best_step = in_turn(cost, expected)
     if fits is None or fits(best_step.num_drafts):
         return best
-    fitting = fit_drafts(cost, requests, fits)
+    fitting = fit_drafts(cost, expected, fits)
     if fitting is None:
         return best
     fit, fit_step = fitting
@@ -293,15 +299,18 @@ def choose_drafts(
     return best if saved > switching else fit
 
 
+Expected = tuple[list[float], int]  # a request's expected tokens by number of drafts (0 to its limit), its tokens
+
+
 def in_turn(
-    cost: StepCost, requests: Sequence[Candidate], most: int | None = None, chosen: Sequence[int] | None = None
+    cost: StepCost, requests: Sequence[Expected], most: int | None = None, chosen: Sequence[int] | None = None
 ) -> tuple[list[int], StepCost]:
     """Each request's best number of drafts in turn, with at most `most` in all (or the numbers `chosen`), and
     the step with them."""
     step = replace(cost)
     numbers = []
-    for i, (stats, limit, context) in enumerate(requests):
-        option = step.options(stats, limit, context)
+    for i, (expected, context) in enumerate(requests):
+        option = step.options_of(expected, context)
         if chosen is not None:
             numbers.append(chosen[i])
         else:
@@ -311,7 +320,7 @@ def in_turn(
 
 
 def fit_drafts(
-    cost: StepCost, requests: Sequence[Candidate], fits: Callable[[int], bool]
+    cost: StepCost, requests: Sequence[Expected], fits: Callable[[int], bool]
 ) -> tuple[list[int], StepCost] | None:
     """The best numbers of drafts whose total keeps the step's shape (fits), and the step with them; None
     when no total does. Drafts move freely between requests within a shape: one whose guess ran out gives its
@@ -319,7 +328,7 @@ def fit_drafts(
     nearest total that fits (a shape without a padding sequence takes exactly its tokens), first on requests
     that have drafts already: a sequence's first draft costs the most (it runs as a many-token query, which
     reads its context again), and a draft past the guess is still kept when it happens to be right."""
-    limits = [limit for _, limit, _ in requests]
+    limits = [len(expected) - 1 for expected, _ in requests]
     totals = [n for n in range(sum(limits) + 1) if fits(n)]
     if not totals:
         return None
@@ -365,6 +374,7 @@ class StepTimes:
         self.seconds: dict[tuple[int, int], float] = {}  # by (sequences, tokens) in the step
         self.counts: dict[tuple[int, int], int] = {}
         self.sizes: dict[int, list[int]] = {}  # by sequences: the measured token counts, ascending
+        self._curve_cache: dict[int, float] = {}  # _curve's
         # what a step of another shape than the one before costs beyond its entry; None until measured
         self.change_seconds: float | None = None
         self.draft_costs: DraftCosts | None = None  # fitted at warm-up
@@ -382,6 +392,8 @@ class StepTimes:
         if predicted is not None:
             seconds = min(max(seconds, predicted / self.CLIP), predicted * self.CLIP)
         key = (sequences, tokens)
+        if sequences == 1:
+            self._curve_cache.clear()
         count = self.counts.get(key, 0) + 1
         self.counts[key] = count
         if count == 1:
@@ -483,9 +495,17 @@ class StepTimes:
         """What num_drafts more rows add to a step of `tokens` tokens by the matmuls: the one-sequence curve's
         difference (measured at a short context, where n one-token rows cost what one sequence of n tokens
         does), never below 0; before the curve is measured, the prior line's, in the step's own units."""
-        if self._one_sequence(1) is None:
+        if not self.sizes.get(1):
             return self.cost(tokens + num_drafts, sequences) - self.cost(tokens, sequences)
-        return max(self.cost(tokens + num_drafts) - self.cost(tokens), 0.0)
+        return max(self._curve(tokens + num_drafts) - self._curve(tokens), 0.0)
+
+    def _curve(self, tokens: int) -> float:
+        """The one-sequence curve at `tokens` (measured), remembered until a one-sequence step changes it: the
+        draft rule reads it a few hundred times a step."""
+        cached = self._curve_cache.get(tokens)
+        if cached is None:
+            cached = self._curve_cache[tokens] = self.cost(tokens)
+        return cached
 
     def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> float:
         """What num_drafts drafts for one decoding sequence, `context` tokens long, add to a step of `tokens`
@@ -500,8 +520,13 @@ class StepTimes:
         return rows
 
     def draft_costs_up_to(self, limit: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> list[float]:
-        """draft_cost(k, ...) for k = 0 to limit."""
-        return [self.draft_cost(k, tokens, sequences, context) for k in range(limit + 1)]
+        """draft_cost(k, ...) for k = 0 to limit (the curve and the live scale read once)."""
+        if sequences == 1 or self.draft_costs is None or not self.sizes.get(1):
+            return [self.draft_cost(k, tokens, sequences, context) for k in range(limit + 1)]
+        fit, scale, base = self.draft_costs, self.draft_scale, self._curve(tokens)
+        return [0.0] + [
+            (max(self._curve(tokens + k) - base, 0.0) + fit.of(k, context)) * scale for k in range(1, limit + 1)
+        ]
 
     def fit_draft_costs(
         self, samples: Sequence[tuple[Sequence[tuple[int, int]], float]], tokens: int, rows: bool
