@@ -25,6 +25,9 @@ from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import ScheduledChunk, Scheduler
 from service.core.speculative import (
+    CALIBRATION_BOUNDS,
+    CALIBRATION_DECAY,
+    CALIBRATION_PRIOR,
     PRIOR_ACCEPTANCE,
     DraftCosts,
     DraftStats,
@@ -583,6 +586,38 @@ def test_drafts_are_judged_by_their_guess_kind_from_what_all_requests_earned_the
     assert r.draft_stats.record_of_all is s.guess_record and plan.chunks[0].drafts[:3] == (1, 2, 3)
     s.update(plan, [[1, 2, 9]])  # the reply left the guess after two
     assert s.guess_record.by_kind[3].counts == pytest.approx([0.0, 0.0, 1.0])
+
+
+def test_expected_drafts_are_calibrated_by_what_verify_steps_of_their_kind_kept():
+    """The rule offers drafts to the requests whose runs look best, and those overrate them (writing at 4
+    streams: guesses from 1-token matches kept half the drafts their runs expected), while runs of long
+    matches can undersell them: each kind's expected drafts are scaled by what its verify steps kept against
+    what was expected lately, within bounds, from 1 before any step."""
+    everyone = GuessRecord()
+    stats = DraftStats(everyone)
+    stats.watch(0, Guess(tuple(range(4)), kind=1))
+    raw = stats.expected_kept_up_to(4)
+    assert everyone.calibration(1) == 1.0 and stats.expected_tokens_up_to(4) == [1 + kept for kept in raw]
+    everyone.record_verify(1, 2.0, 1)  # one step moves it a little: both sums start at CALIBRATION_PRIOR
+    assert everyone.calibration(1) == pytest.approx(
+        (CALIBRATION_DECAY * CALIBRATION_PRIOR + 1) / (CALIBRATION_DECAY * CALIBRATION_PRIOR + 2)
+    )
+    for _ in range(300):
+        everyone.record_verify(1, 2.0, 1)  # half what was expected
+        everyone.record_verify(5, 2.0, 8)  # four times: bounded
+    assert everyone.calibration(1) == pytest.approx(0.5, abs=0.01)
+    assert everyone.calibration(5) == CALIBRATION_BOUNDS[1]
+    assert everyone.calibration(3) == 1.0  # a kind of its own
+    assert stats.expected_tokens_up_to(4) == pytest.approx([1 + everyone.calibration(1) * kept for kept in raw])
+    # the scheduler records each verify step's expected and kept drafts by its guess's kind
+    s = scheduler(k=4)
+    decoding(s, [1, 2, 3, 4, 1, 2, 3])  # first token 4: lookup guesses 1, 2, 3 (a 4-token match, kind 3)
+    plan = s.schedule()
+    expected = plan.chunks[0].request.draft_stats.expected_kept_up_to(len(plan.chunks[0].drafts))[-1]
+    s.update(plan, [[1, 2, 9]])  # two drafts kept
+    assert s.guess_record.verified[3] == pytest.approx(
+        (CALIBRATION_DECAY * CALIBRATION_PRIOR + expected, CALIBRATION_DECAY * CALIBRATION_PRIOR + 2)
+    )
 
 
 def test_expected_tokens_follow_the_recorded_runs():

@@ -214,6 +214,10 @@ class Scheduler:
                 # computed: the fed token and the accepted drafts; the positions of rejected ones are
                 # recomputed, and blocks past the new length are given back
                 accepted = len(runs[request]) - 1
+                stats = request.draft_stats  # as the drafts were chosen: settled below
+                kind = stats.latest.kind if stats.latest else 0
+                expected = stats.expected_kept_up_to(len(chunk.drafts))[-1]
+                self.guess_record.record_verify(kind, expected, max(accepted, 0))
                 self.num_draft_tokens += len(chunk.drafts)
                 self.num_accepted_tokens += accepted
                 self.num_verify_steps += 1

@@ -46,6 +46,12 @@ PRIOR_ACCEPTANCE = 0.5
 # changes of shape against 625), edits 1.46x against 1.43x.
 HORIZON = 4
 CHANGES_PER_SWITCH = 2
+# The drafts kept in verify steps against what the runs expected, by kind (GuessRecord.calibration): each
+# verify step weighs CALIBRATION_DECAY of the next one's (about the last hundred count); both sums start at
+# CALIBRATION_PRIOR drafts, so the first steps move it little; the ratio is kept within CALIBRATION_BOUNDS.
+CALIBRATION_DECAY = 0.99
+CALIBRATION_PRIOR = 8.0
+CALIBRATION_BOUNDS = (0.5, 1.5)
 # Prompt lookup's matches are measured up to this many tokens; kinds are the lengths' powers of two (1,
 # 2-3, 4-7, 8-15, 16 and more)
 LONGEST_MATCH = 16
@@ -133,13 +139,34 @@ class Runs:
 
 class GuessRecord:
     """What guesses of each kind earned across requests lately: the prior of a request's guesses of a kind
-    it has no runs of yet. Owned by the scheduler, read by its requests' DraftStats."""
+    it has no runs of yet; and how the drafts kept in verify steps compare with what the runs expected
+    (calibration). Owned by the scheduler, read by its requests' DraftStats."""
 
     def __init__(self) -> None:
         self.by_kind: dict[int, Runs] = {}
+        # by kind: decayed sums of the drafts expected kept (runs alone) and of those kept, in verify steps
+        self.verified: dict[int, tuple[float, float]] = {}
 
     def record(self, kind: int, run: int) -> None:
         self.by_kind.setdefault(kind, Runs(POOL_DECAY)).record(run)
+
+    def record_verify(self, kind: int, expected: float, kept: int) -> None:
+        """A verify step of a guess of `kind` kept `kept` drafts where its runs expected `expected`."""
+        expected_sum, kept_sum = self.verified.get(kind, (CALIBRATION_PRIOR, CALIBRATION_PRIOR))
+        self.verified[kind] = (
+            CALIBRATION_DECAY * expected_sum + expected,
+            CALIBRATION_DECAY * kept_sum + kept,
+        )
+
+    def calibration(self, kind: int) -> float:
+        """The drafts kept over those expected, for guesses of `kind` lately, within CALIBRATION_BOUNDS; 1 before
+        any. Below 1 where drafts are offered on a lucky streak of runs: the rule offers drafts to the requests
+        whose runs look best, and those overrate them (writing at 4 streams: 1,268 kept drafts expected, 1,031
+        kept; edits at 8 streams, 6,761 and 6,292), and above it where runs undersell what is kept (edits at
+        one stream: 661 and 724)."""
+        expected_sum, kept_sum = self.verified.get(kind, (1.0, 1.0))
+        low, high = CALIBRATION_BOUNDS
+        return min(max(kept_sum / expected_sum, low), high)
 
     def reach(self, kind: int, limit: int) -> list[float]:
         runs = self.by_kind.get(kind)
@@ -192,16 +219,23 @@ class DraftStats:
         return self.expected_tokens_up_to(num_drafts)[-1]
 
     def expected_tokens_up_to(self, limit: int) -> list[float]:
-        """expected_tokens(k) for k = 0 to limit, in one pass."""
+        """expected_tokens(k) for k = 0 to limit, in one pass: the drafts the runs expect kept, calibrated by
+        what verify steps of the latest guess's kind kept against that lately (GuessRecord.calibration)."""
+        kind = self.latest.kind if self.latest else 0
+        factor = self.record_of_all.calibration(kind) if self.record_of_all else 1.0
+        return [1.0 + factor * kept for kept in self.expected_kept_up_to(limit)]
+
+    def expected_kept_up_to(self, limit: int) -> list[float]:
+        """The drafts that runs of the latest guess's kind expect kept, of k = 0 to limit drafts."""
         kind = self.latest.kind if self.latest else 0
         length = len(self.latest.tokens) if self.latest else limit
         prior = self.record_of_all.reach(kind, limit) if self.record_of_all else geometric_prior(limit)
         runs = self.by_kind.get(kind)
         reach = runs.reach(limit, prior) if runs else prior
-        expected = [1.0]
+        kept = [0.0]
         for j in range(1, limit + 1):
-            expected.append(expected[-1] + (reach[j] if j <= length else 0.0))
-        return expected
+            kept.append(kept[-1] + (reach[j] if j <= length else 0.0))
+        return kept
 
 
 @dataclass(frozen=True)
