@@ -609,11 +609,24 @@ def test_expected_drafts_are_calibrated_by_what_verify_steps_of_their_kind_kept(
     assert everyone.calibration(5) == CALIBRATION_BOUNDS[1]
     assert everyone.calibration(3) == 1.0  # a kind of its own
     assert stats.expected_tokens_up_to(4) == pytest.approx([1 + everyone.calibration(1) * kept for kept in raw])
+    # through a request's stats: by its latest guess's kind; drafts past the guess (padding) are kept by luck
+    # and count only within it, and an empty guess is not recorded
+    stats.watch(0, Guess((1, 2), kind=3))
+    stats.record_verify(2.0, 4)
+    assert everyone.verified[3] == (
+        CALIBRATION_DECAY * CALIBRATION_PRIOR + 2.0,
+        CALIBRATION_DECAY * CALIBRATION_PRIOR + 2,
+    )
+    stats.watch(0, Guess())
+    stats.record_verify(0.0, 1)
+    assert 0 not in everyone.verified
     # the scheduler records each verify step's expected and kept drafts by its guess's kind
     s = scheduler(k=4)
     decoding(s, [1, 2, 3, 4, 1, 2, 3])  # first token 4: lookup guesses 1, 2, 3 (a 4-token match, kind 3)
     plan = s.schedule()
-    expected = plan.chunks[0].request.draft_stats.expected_kept_up_to(len(plan.chunks[0].drafts))[-1]
+    expected = plan.chunks[0].expected_kept
+    stats_then = plan.chunks[0].request.draft_stats
+    assert 0 < expected == pytest.approx(stats_then.expected_kept_up_to(len(plan.chunks[0].drafts))[-1])
     s.update(plan, [[1, 2, 9]])  # two drafts kept
     assert s.guess_record.verified[3] == pytest.approx(
         (CALIBRATION_DECAY * CALIBRATION_PRIOR + expected, CALIBRATION_DECAY * CALIBRATION_PRIOR + 2)
@@ -1080,7 +1093,8 @@ def test_drafts_beside_other_sequences_cost_what_the_fit_and_the_live_steps_say(
     for n, seconds in {1: 0.0130, 2: 0.0125, 6: 0.0150, 11: 0.0170}.items():
         times.observe(n, seconds)
     times.observe(8, 0.0170, sequences=8)
-    assert times.draft_cost(1) == 0.0  # 12.5 ms against 13.0: not a saving
+    # 12.5 ms against 13.0: not a saving, and not free either (ROW_FLOOR of the step a row)
+    assert times.draft_cost(1) == pytest.approx(StepTimes.ROW_FLOOR * 0.0130)
     rows_share = times.rows_cost(8, 5)
     # 8 to 13 rows: between measured sizes, then along the prior line (F = 8) beyond the largest
     assert rows_share == pytest.approx(0.0170 * (8 + 13) / (8 + 11) - (0.0150 + (0.0170 - 0.0150) * 2 / 5))
@@ -1099,6 +1113,22 @@ def test_drafts_beside_other_sequences_cost_what_the_fit_and_the_live_steps_say(
     for _ in range(100):  # and comes back down when draft steps get cheap
         times.observe_drafts(13, 0.0170 + predicted / 4, 8, [(5, 300)])
     assert times.draft_scale == pytest.approx(1 / StepTimes.MAX_DRAFT_SCALE, rel=0.05)
+
+
+def test_a_draft_is_never_free_so_the_live_steps_can_price_it():
+    """The one-sequence curve has flat stretches (and noise can make it dip); a draft priced at 0 there could
+    never be corrected by the live scale, which multiplies the price. A row costs at least ROW_FLOOR of its
+    step, so live steps that show drafts dear raise their price."""
+    times = StepTimes()
+    for n, seconds in {1: 0.0120, 4: 0.0130, 5: 0.0150, 6: 0.0150, 8: 0.0155}.items():
+        times.observe(n, seconds)
+    times.observe(4, 0.0170, sequences=4)
+    times.draft_costs = DraftCosts(per_draft_context_token=0.0000013)
+    price = times.draft_cost(1, 5, 4, context=8)  # 5 to 6 rows: flat
+    assert price == pytest.approx((StepTimes.ROW_FLOOR * 0.0150 + 0.0000013 * 8) * times.draft_scale)
+    for _ in range(50):  # each of the 4 requests' one draft added 16 ms in live steps
+        times.observe_drafts(8, 0.0170 + 0.016, 4, [(1, 8)] * 4)
+    assert times.draft_scale == StepTimes.MAX_DRAFT_SCALE and times.draft_cost(1, 5, 4, context=8) > price
 
 
 def test_the_warm_up_fits_draft_costs_on_the_real_model(tiny_qwen3_fp16_ir):

@@ -57,6 +57,7 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool
     drafts: tuple[int, ...] = ()
+    expected_kept: float = 0.0  # of the drafts, by the runs of their guess's kind as the step was planned
 
     @property
     def token_ids(self) -> list[int]:
@@ -214,10 +215,7 @@ class Scheduler:
                 # computed: the fed token and the accepted drafts; the positions of rejected ones are
                 # recomputed, and blocks past the new length are given back
                 accepted = len(runs[request]) - 1
-                stats = request.draft_stats  # as the drafts were chosen: settled below
-                kind = stats.latest.kind if stats.latest else 0
-                expected = stats.expected_kept_up_to(len(chunk.drafts))[-1]
-                self.guess_record.record_verify(kind, expected, max(accepted, 0))
+                request.draft_stats.record_verify(chunk.expected_kept, max(accepted, 0))
                 self.num_draft_tokens += len(chunk.drafts)
                 self.num_accepted_tokens += accepted
                 self.num_verify_steps += 1
@@ -402,6 +400,7 @@ class Scheduler:
             self.kv.block_ids(request.id),
             sample=start + num_new == request.num_tokens,
             drafts=drafts,
+            expected_kept=request.draft_stats.expected_kept_up_to(len(drafts))[-1] if drafts else 0.0,
         )
 
     def _step_cost(self, budget: int) -> StepCost:

@@ -164,7 +164,9 @@ class GuessRecord:
         whose runs look best, and those overrate them (writing at 4 streams: 1,268 kept drafts expected, 1,031
         kept; edits at 8 streams, 6,761 and 6,292), and above it where runs undersell what is kept (edits at
         one stream: 661 and 724)."""
-        expected_sum, kept_sum = self.verified.get(kind, (1.0, 1.0))
+        if kind not in self.verified:
+            return 1.0
+        expected_sum, kept_sum = self.verified[kind]
         low, high = CALIBRATION_BOUNDS
         return min(max(kept_sum / expected_sum, low), high)
 
@@ -209,13 +211,21 @@ class DraftStats:
             return guess.kind, run
         return None
 
+    def record_verify(self, expected: float, kept: int) -> None:
+        """A verify step of the latest guess kept `kept` drafts where its runs expected `expected`: for the
+        calibration of its kind. Drafts past the guess (padding) count only within it: the runs expect none
+        of them kept. An empty guess earns nothing whatever is kept, so it is not recorded."""
+        if self.record_of_all is not None and self.latest is not None and self.latest.tokens:
+            self.record_of_all.record_verify(self.latest.kind, expected, min(kept, len(self.latest.tokens)))
+
     def record(self, run: int, kind: int = 0) -> None:
         """A run of `run` kept drafts by a guess of `kind`."""
         self.by_kind.setdefault(kind, Runs(DECAY)).record(run)
 
     def expected_tokens(self, num_drafts: int) -> float:
         """Tokens a decode step with num_drafts drafts is expected to yield: its own token, plus the j-th
-        draft for every j up to num_drafts that runs of the latest guess's kind reach, within its length."""
+        draft for every j up to num_drafts that runs of the latest guess's kind reach, within its length,
+        calibrated by what verify steps of that kind kept lately (GuessRecord.calibration)."""
         return self.expected_tokens_up_to(num_drafts)[-1]
 
     def expected_tokens_up_to(self, limit: int) -> list[float]:
@@ -333,7 +343,7 @@ def choose_drafts(
     return best if saved > switching else fit
 
 
-Expected = tuple[list[float], int]  # a request's expected tokens by number of drafts (0 to its limit), its tokens
+Expected = tuple[list[float], int]  # a request's expected tokens by number of drafts (0 to its limit), its context
 
 
 def in_turn(
@@ -360,8 +370,9 @@ def fit_drafts(
     when no total does. Drafts move freely between requests within a shape: one whose guess ran out gives its
     room to one that is copying. The best numbers within the largest total that fits are topped up to the
     nearest total that fits (a shape without a padding sequence takes exactly its tokens), first on requests
-    that have drafts already: a sequence's first draft costs the most (it runs as a many-token query, which
-    reads its context again), and a draft past the guess is still kept when it happens to be right."""
+    that have drafts already: as one sequence, a sequence's first draft costs the most (a many-token query
+    reads its context again); as rows, drafts cost alike; and a draft past the guess is still kept when it
+    happens to be right."""
     limits = [len(expected) - 1 for expected, _ in requests]
     totals = [n for n in range(sum(limits) + 1) if fits(n)]
     if not totals:
@@ -401,6 +412,9 @@ class StepTimes:
     ALPHA = 0.1  # about the last ten steps of an entry count
     CLIP = 1.5
     MAX_DRAFT_SCALE = 2.0
+    # A draft row is never priced below this share of its step: the curve has flat stretches (SmolLM2, 8 to 11
+    # rows: 0.25 ms a row on a 13 ms step), and a price of 0 is one the live scale could never correct
+    ROW_FLOOR = 0.01
 
     def __init__(self, overhead: float = 8.0, max_tokens: int = 64) -> None:
         self.prior_overhead = overhead
@@ -408,7 +422,7 @@ class StepTimes:
         self.seconds: dict[tuple[int, int], float] = {}  # by (sequences, tokens) in the step
         self.counts: dict[tuple[int, int], int] = {}
         self.sizes: dict[int, list[int]] = {}  # by sequences: the measured token counts, ascending
-        self._curve_cache: dict[int, float] = {}  # _curve's
+        self._curve_cache: dict[int, float] = {}  # _one_sequence_cost's
         # what a step of another shape than the one before costs beyond its entry; None until measured
         self.change_seconds: float | None = None
         self.draft_costs: DraftCosts | None = None  # fitted at warm-up
@@ -528,14 +542,16 @@ class StepTimes:
     def rows_cost(self, tokens: int, num_drafts: int, sequences: int = 1) -> float:
         """What num_drafts more rows add to a step of `tokens` tokens by the matmuls: the one-sequence curve's
         difference (measured at a short context, where n one-token rows cost what one sequence of n tokens
-        does), never below 0; before the curve is measured, the prior line's, in the step's own units."""
+        does), and at least ROW_FLOOR of the step a row; before the curve is measured, the prior line's for a
+        step of `sequences` sequences, in the step's own units."""
         if not self.sizes.get(1):
             return self.cost(tokens + num_drafts, sequences) - self.cost(tokens, sequences)
-        return max(self._curve(tokens + num_drafts) - self._curve(tokens), 0.0)
+        base = self._one_sequence_cost(tokens)
+        return max(self._one_sequence_cost(tokens + num_drafts) - base, num_drafts * self.ROW_FLOOR * base)
 
-    def _curve(self, tokens: int) -> float:
-        """The one-sequence curve at `tokens` (measured), remembered until a one-sequence step changes it: the
-        draft rule reads it a few hundred times a step."""
+    def _one_sequence_cost(self, tokens: int) -> float:
+        """cost(tokens) of one sequence, remembered until a one-sequence step changes the curve: the draft rule
+        reads it a few hundred times a step."""
         cached = self._curve_cache.get(tokens)
         if cached is None:
             cached = self._curve_cache[tokens] = self.cost(tokens)
@@ -546,21 +562,15 @@ class StepTimes:
         tokens (drafts chosen before included) in `sequences` sequences: their rows' share of the matmuls
         (rows_cost), whose entries the live steps of a lone request keep up to date; beside other sequences,
         plus their reads of the context (the fitted DraftCosts), both scaled by the live steps (draft_scale)."""
-        if not num_drafts:
-            return 0.0
-        rows = self.rows_cost(tokens, num_drafts, sequences)
-        if sequences > 1 and self.draft_costs is not None:
-            return (rows + self.draft_costs.of(num_drafts, context)) * self.draft_scale
-        return rows
+        return self.draft_costs_up_to(num_drafts, tokens, sequences, context)[num_drafts]
 
     def draft_costs_up_to(self, limit: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> list[float]:
-        """draft_cost(k, ...) for k = 0 to limit (the curve and the live scale read once)."""
-        if sequences == 1 or self.draft_costs is None or not self.sizes.get(1):
-            return [self.draft_cost(k, tokens, sequences, context) for k in range(limit + 1)]
-        fit, scale, base = self.draft_costs, self.draft_scale, self._curve(tokens)
-        return [0.0] + [
-            (max(self._curve(tokens + k) - base, 0.0) + fit.of(k, context)) * scale for k in range(1, limit + 1)
-        ]
+        """draft_cost(k, ...) for k = 0 to limit."""
+        rows = [self.rows_cost(tokens, k, sequences) for k in range(limit + 1)]
+        if sequences == 1 or self.draft_costs is None:
+            return rows
+        fit, scale = self.draft_costs, self.draft_scale
+        return [0.0] + [(rows[k] + fit.of(k, context)) * scale for k in range(1, limit + 1)]
 
     def fit_draft_costs(
         self, samples: Sequence[tuple[Sequence[tuple[int, int]], float]], tokens: int, rows: bool
@@ -625,7 +635,7 @@ class DraftCosts:
         solution = [max(float(x), 0.0) for x in np.linalg.lstsq(np.array(features, dtype=float), added, rcond=None)[0]]
         if rows:
             return DraftCosts(per_draft_context_token=solution[0])
-        return DraftCosts(*solution)
+        return DraftCosts(per_sequence=solution[0], per_context_token=solution[1])
 
 
 def accept_greedy(drafts: Sequence[int], model_tokens: Sequence[int]) -> list[int]:

@@ -194,7 +194,7 @@ class EngineCore:
         as drafts want them, each size run repeats times after one unmeasured step (which prepares the
         kernels of its new shape). The live steps take over from there."""
         largest = min(self.step_times.max_tokens, self.config.max_num_batched_tokens)
-        sizes = sorted({*range(1, self.config.speculative_tokens + 2), 8, 16, 32, 48, 64})
+        sizes = sorted({*range(1, self.config.speculative_tokens + 2), 8, 12, 16, 24, 32, 48, 64})
         sizes = [n for n in sizes if n <= largest]
         blocks = list(range(-(-(8 + max(sizes)) // self.runner.block_size)))
         for n in sizes:
@@ -428,7 +428,7 @@ class EngineCore:
         if all(c.num_tokens == 1 + len(c.drafts) for c in plan.chunks):
             # every step of decoding requests with drafts, changed and padded ones too: what drafts cost includes
             # the changes of shape and the padding that their coming and going causes
-            drafts = [(len(c.drafts), c.start) for c in plan.chunks if c.drafts]
+            drafts = [(len(c.drafts), c.start + 1) for c in plan.chunks if c.drafts]  # context as the rule saw it
             self.step_times.observe_drafts(plan.num_tokens, seconds, len(plan.chunks), drafts)
         by_id = {}
         if pending is not None:
