@@ -422,7 +422,7 @@ class StepTimes:
         self.seconds: dict[tuple[int, int], float] = {}  # by (sequences, tokens) in the step
         self.counts: dict[tuple[int, int], int] = {}
         self.sizes: dict[int, list[int]] = {}  # by sequences: the measured token counts, ascending
-        self._curve_cache: dict[int, float] = {}  # _one_sequence_cost's
+        self._curve_cache: dict[int, float] = {}  # _one_sequence's, by tokens
         # what a step of another shape than the one before costs beyond its entry; None until measured
         self.change_seconds: float | None = None
         self.draft_costs: DraftCosts | None = None  # fitted at warm-up
@@ -525,19 +525,28 @@ class StepTimes:
         return max(base + curve - anchor_curve, base / 2)
 
     def _one_sequence(self, tokens: int) -> float | None:
+        """The one-sequence curve at `tokens`, remembered until a one-sequence step changes it (observe): the
+        draft rule reads it a few hundred times a step."""
         sizes = self.sizes.get(1)
         if not sizes:
             return None
+        cached = self._curve_cache.get(tokens)
+        if cached is not None:
+            return cached
         if (1, tokens) in self.seconds:
-            return self.seconds[(1, tokens)]
-        i = bisect.bisect(sizes, tokens)
-        if 0 < i < len(sizes):
-            lo, hi = sizes[i - 1], sizes[i]
-            t_lo, t_hi = self.seconds[(1, lo)], self.seconds[(1, hi)]
-            return t_lo + (t_hi - t_lo) * (tokens - lo) / (hi - lo)
-        nearest = sizes[0] if i == 0 else sizes[-1]
-        f = self.prior_overhead
-        return self.seconds[(1, nearest)] * (f + tokens) / (f + nearest)
+            value = self.seconds[(1, tokens)]
+        else:
+            i = bisect.bisect(sizes, tokens)
+            if 0 < i < len(sizes):
+                lo, hi = sizes[i - 1], sizes[i]
+                t_lo, t_hi = self.seconds[(1, lo)], self.seconds[(1, hi)]
+                value = t_lo + (t_hi - t_lo) * (tokens - lo) / (hi - lo)
+            else:
+                nearest = sizes[0] if i == 0 else sizes[-1]
+                f = self.prior_overhead
+                value = self.seconds[(1, nearest)] * (f + tokens) / (f + nearest)
+        self._curve_cache[tokens] = value
+        return value
 
     def rows_cost(self, tokens: int, num_drafts: int, sequences: int = 1) -> float:
         """What num_drafts more rows add to a step of `tokens` tokens by the matmuls: the one-sequence curve's
@@ -546,16 +555,8 @@ class StepTimes:
         step of `sequences` sequences, in the step's own units."""
         if not self.sizes.get(1):
             return self.cost(tokens + num_drafts, sequences) - self.cost(tokens, sequences)
-        base = self._one_sequence_cost(tokens)
-        return max(self._one_sequence_cost(tokens + num_drafts) - base, num_drafts * self.ROW_FLOOR * base)
-
-    def _one_sequence_cost(self, tokens: int) -> float:
-        """cost(tokens) of one sequence, remembered until a one-sequence step changes the curve: the draft rule
-        reads it a few hundred times a step."""
-        cached = self._curve_cache.get(tokens)
-        if cached is None:
-            cached = self._curve_cache[tokens] = self.cost(tokens)
-        return cached
+        base = self.cost(tokens)
+        return max(self.cost(tokens + num_drafts) - base, num_drafts * self.ROW_FLOOR * base)
 
     def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> float:
         """What num_drafts drafts for one decoding sequence, `context` tokens long, add to a step of `tokens`

@@ -378,9 +378,10 @@ class EngineCore:
     def _drafts_as_rows(self, sequences_on_f32: int) -> bool:
         """Whether a step with this many sequences on the f32 copy (long prompt pieces apart) feeds drafts as
         one-token rows (draft_rows): only beside another sequence. A sequence alone there takes another
-        attention path (its context is split among the threads; a one-token row alone and beside a padding
-        row differed by up to 0.75 in the logits from a 400-token context on), so a request decoding alone gets
-        no exact drafts either way, and one sequence is the faster (11 rows each read the whole context)."""
+        attention path (the plugin sums its attention in per-block partials: 1e-5 apart in the logits from the
+        same row beside a padding row, which the quantization of activations and of the u8 cache can amplify
+        at a rounding edge, to 0.62 at one 400-token context), so a request decoding alone gets no exact
+        drafts either way, and one sequence is the faster (11 rows each read the whole context)."""
         return self.draft_rows and sequences_on_f32 > 1
 
     def _step_inputs(self, plan: StepPlan) -> list[StepInput]:
