@@ -553,10 +553,17 @@ class StepTimes:
         difference (measured at a short context, where n one-token rows cost what one sequence of n tokens
         does), and at least ROW_FLOOR of the step a row; before the curve is measured, the prior line's for a
         step of `sequences` sequences, in the step's own units."""
+        return self.rows_costs_up_to(tokens, num_drafts, sequences)[num_drafts]
+
+    def rows_costs_up_to(self, tokens: int, limit: int, sequences: int = 1) -> list[float]:
+        """rows_cost(tokens, k, sequences) for k = 0 to limit, the step's own cost read once: the draft rule
+        asks for these lists about twenty times a step."""
         if not self.sizes.get(1):
-            return self.cost(tokens + num_drafts, sequences) - self.cost(tokens, sequences)
+            base = self.cost(tokens, sequences)
+            return [self.cost(tokens + k, sequences) - base for k in range(limit + 1)]
         base = self.cost(tokens)
-        return max(self.cost(tokens + num_drafts) - base, num_drafts * self.ROW_FLOOR * base)
+        floor = self.ROW_FLOOR * base
+        return [max(self.cost(tokens + k) - base, k * floor) for k in range(limit + 1)]
 
     def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> float:
         """What num_drafts drafts for one decoding sequence, `context` tokens long, add to a step of `tokens`
@@ -567,7 +574,7 @@ class StepTimes:
 
     def draft_costs_up_to(self, limit: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> list[float]:
         """draft_cost(k, ...) for k = 0 to limit."""
-        rows = [self.rows_cost(tokens, k, sequences) for k in range(limit + 1)]
+        rows = self.rows_costs_up_to(tokens, limit, sequences)
         if sequences == 1 or self.draft_costs is None:
             return rows
         fit, scale = self.draft_costs, self.draft_scale
