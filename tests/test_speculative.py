@@ -369,6 +369,23 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, verify_
     assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
 
 
+@pytest.mark.parametrize("verify_drafts", ["rows", "sequence"])
+def test_speculation_through_preemption_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, verify_drafts, every_draft):
+    """Four requests of 100 tokens (prompt and reply) in a cache of 6 blocks of 32 tokens: requests are preempted
+    while they speculate and recomputed later, and still reply what plain decoding with room for all does."""
+    prompts = [[1000 + (i * (7 + j)) % 50 for i in range(60)] for j in range(4)]
+    plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40)
+    sizing = Engine(tiny_qwen3_fp16_ir, EngineConfig(kv_cache_gb=0.02, kv_cache_precision="f16"))
+    block_bytes = sizing.info.kv_cache_bytes / sizing.info.num_kv_blocks
+    sizing.shutdown()
+    spec = {"speculative_tokens": 4, "speculation": "auto", "verify_drafts": verify_drafts}
+    fast, stats = outputs(
+        tiny_qwen3_fp16_ir, prompts, 40, proposer=Oracle(prompts, plain), kv_cache_gb=6 * block_bytes / 2**30, **spec
+    )
+    assert stats.num_preemptions > 0 and stats.num_accepted_tokens > 0, stats
+    assert fast == plain
+
+
 def test_drafts_are_fed_as_rows_where_decoding_rows_run_in_f32_unless_asked_otherwise(tiny_qwen3_ir):
     """verify_drafts: auto takes one-token rows where they make speculation exact (decoding rows in f32), and
     either form can be asked for (sequence: faster at long contexts, where rows read the context each). In
