@@ -29,16 +29,15 @@ from service.core.speculative import (
     CALIBRATION_DECAY,
     CALIBRATION_PRIOR,
     PRIOR_ACCEPTANCE,
-    DraftCosts,
     DraftStats,
     Guess,
     GuessRecord,
     PromptLookup,
     StepCost,
-    StepTimes,
     accept_greedy,
     choose_drafts,
 )
+from service.core.step_times import DraftCosts, StepTimes
 from service.engine import Engine
 from service.engine.core import step_inputs
 from service.errors import InvalidArgument

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from service.core.config import EngineConfig
-from service.core.speculative import StepTimes
 from service.core.step_shape import MAX_PAD_SEQUENCES, MAX_PAD_TOKENS, ShapeKeeper, StepShape
+from service.core.step_times import StepTimes
 from service.runner import ModelRunner, StepInput
 
 

@@ -39,9 +39,9 @@ from service.core.speculative import (
     PromptLookup,
     Proposer,
     StepCost,
-    StepTimes,
     choose_drafts,
 )
+from service.core.step_times import StepTimes
 from service.core.stop import stop_reason
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from service.core.speculative import StepTimes
+    from service.core.step_times import StepTimes
 
 # Padding sequences a step may take, and tokens in them: the runner reserves scratch blocks for this many
 MAX_PAD_SEQUENCES = 8

@@ -30,9 +30,9 @@ from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
-from service.core.speculative import StepTimes
 from service.core.stats import DiskTierStats, EngineStats, ModelInfo
 from service.core.step_shape import ShapeKeeper, StepShape
+from service.core.step_times import StepTimes
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
