@@ -170,34 +170,42 @@ def cb_pipeline(model: str, lookup: bool, k: int, ngram: int, precision: str | N
     return serve
 
 
-def cost_curve(model: str, batches: tuple[int, ...], max_drafts: int, repeats: int) -> dict[str, Any]:
-    """Step time against tokens per step: `batch` decoding sequences (a 64-token context each) each feeding
-    its last token plus 0..max_drafts drafts, every logits row wanted, as verify steps do. Median of
-    `repeats` after one unmeasured step per shape; also as a multiple of the step without drafts."""
+def cost_curve(
+    model: str, batches: tuple[int, ...], max_drafts: int, repeats: int, contexts: tuple[int, ...] = (64, 512)
+) -> dict[str, Any]:
+    """Step time against tokens per step: `batch` decoding sequences (each `context` tokens long) each feeding
+    its last token plus 0..max_drafts drafts, every logits row wanted, as verify steps do: as one sequence a
+    request, and beside other sequences also as one-token rows (what --verify-drafts auto feeds in f32). Median
+    of `repeats` after one unmeasured step per shape; also as a multiple of the step without drafts."""
     from service.core.config import EngineConfig
-    from service.runner import ModelRunner, StepInput
+    from service.engine.core import verify_inputs
+    from service.runner import ModelRunner
 
-    runner = ModelRunner(Path(model) / "openvino_model.xml", EngineConfig(kv_cache_gb=0.25))
-    context = 64
-    per_seq = -(-(context + max_drafts + 1) // runner.block_size)
+    runner = ModelRunner(Path(model) / "openvino_model.xml", EngineConfig(kv_cache_gb=1.0))
     curve: dict[str, Any] = {}
-    for batch in batches:
-        rows = []
-        for drafts in range(max_drafts + 1):
-            n = 1 + drafts
-            seqs = [StepInput([1] * n, context, list(range(i * per_seq, (i + 1) * per_seq)), n) for i in range(batch)]
-            runner.execute(seqs)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                runner.execute(seqs)
-                times.append(time.perf_counter() - t0)
-            rows.append({"tokens": batch * n, "drafts_per_seq": drafts, "seconds": round(median(times), 4)})
-        for row in rows:
-            row["x_plain_step"] = round(row["seconds"] / rows[0]["seconds"], 3)
-        curve[str(batch)] = rows
-        print(f"batch {batch}: " + ", ".join(f"{r['tokens']} tok {r['seconds']:.3f}s" for r in rows), flush=True)
-    return {"model": model, "context": context, "repeats": repeats, "load": os.getloadavg(), "batches": curve}
+    for context in contexts:
+        per_seq = -(-(context + max_drafts + 1) // runner.block_size)
+        for batch in batches:
+            for rows_form in (False, True) if batch > 1 else (False,):
+                rows = []
+                for drafts in range(max_drafts + 1):
+                    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+                    seqs = [r for t in tables for r in verify_inputs([1] * (1 + drafts), context, t, rows_form)]
+                    runner.execute(seqs)
+                    times = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        runner.execute(seqs)
+                        times.append(time.perf_counter() - t0)
+                    rows.append(
+                        {"tokens": batch * (1 + drafts), "drafts_per_seq": drafts, "seconds": round(median(times), 4)}
+                    )
+                for row in rows:
+                    row["x_plain_step"] = round(row["seconds"] / rows[0]["seconds"], 3)
+                key = f"context {context}, batch {batch}" + (", drafts as rows" if rows_form else "")
+                curve[key] = rows
+                print(f"{key}: " + ", ".join(f"{r['tokens']} tok {r['seconds']:.3f}s" for r in rows), flush=True)
+    return {"model": model, "repeats": repeats, "load": os.getloadavg(), "curves": curve}
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:
@@ -293,13 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cost-curve",
         action="store_true",
-        help="only measure step time against tokens per step (batch 1 and 8, 0..K drafts each), e.g. on the "
-        "Qwen3-4B shape",
+        help="only measure step time against tokens per step (batch 1 and 8, 0 to --our-k drafts each, contexts "
+        "of 64 and 512 tokens), e.g. on the Qwen3-4B shape",
     )
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
     if a.cost_curve:
-        curve = cost_curve(a.model, (1, 8), a.k, repeats=3)
+        curve = cost_curve(a.model, (1, 8), EngineConfig().speculative_tokens if a.our_k is None else a.our_k, 3)
         if a.out:
             Path(a.out).write_text(json.dumps(curve, indent=1))
         return 0
