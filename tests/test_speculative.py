@@ -1162,3 +1162,16 @@ def test_the_warm_up_fits_draft_costs_on_the_real_model(tiny_qwen3_fp16_ir):
         assert engine.core.kv.pool.num_free == engine.core.kv.pool.num_blocks  # the warm-up took no block
     finally:
         engine.shutdown()
+
+
+def test_the_cost_curve_measures_each_form_of_drafts_on_the_real_runner(tiny_qwen3_ir):
+    from bench.speculative import cost_curve
+
+    curve = cost_curve(str(tiny_qwen3_ir), (1, 3), max_drafts=2, repeats=1, contexts=(8, 40))["curves"]
+    assert sorted(curve) == sorted(
+        f"context {c}, batch {b}{form}" for c in (8, 40) for b, form in ((1, ""), (3, ""), (3, ", drafts as rows"))
+    )
+    for key, rows in curve.items():
+        batch = 3 if "batch 3" in key else 1
+        assert [r["tokens"] for r in rows] == [batch, 2 * batch, 3 * batch]
+        assert rows[0]["x_plain_step"] == 1.0 and all(r["seconds"] > 0 for r in rows)
