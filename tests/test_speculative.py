@@ -33,6 +33,7 @@ from service.core.speculative import (
     Guess,
     GuessRecord,
     PromptLookup,
+    ShapeRegret,
     StepCost,
     accept_greedy,
     choose_drafts,
@@ -347,7 +348,9 @@ def every_draft(monkeypatch):
     and on the tiny models (steps of a few ms, on a CI machine busy with other tests) it sometimes found
     drafts too dear and offered none; these tests are about what drafts do, not about when they pay."""
     monkeypatch.setattr(
-        scheduler_module, "choose_drafts", lambda cost, requests, fits=None: [limit for _, limit, _ in requests]
+        scheduler_module,
+        "choose_drafts",
+        lambda cost, requests, fits=None, regret=None: [limit for _, limit, _ in requests],
     )
 
 
@@ -753,6 +756,32 @@ def test_a_step_keeps_its_shape_unless_a_change_pays():
     assert choose_drafts(cost, [(copying, 5, 0)], shape_of(0)) == [5]
     assert choose_drafts(cost, [(copying, 2, 0)], shape_of(4)) == [2]  # never beyond the limit, whatever fits
     assert choose_drafts(cost, [(copying, 5, 0)]) == [5]  # with no shape to keep (a first step), the best
+
+
+def test_a_shape_that_keeps_giving_up_time_is_left_once_that_pays_for_a_switch():
+    """A gain too small to pay for two changes within HORIZON steps still pays once the steps kept in the old
+    shape have given up as much (rent or buy): a lone request copying a long passage sat at 2 drafts for 40
+    steps where 10 were best. Taking the best numbers, or a step with no shape to keep, starts the count again."""
+    times = StepTimes()
+    for n, seconds in {1: 0.0162, 2: 0.0169, 3: 0.0179, 4: 0.0197, 5: 0.0237, 6: 0.0237}.items():
+        times.observe(n, seconds)
+    for _ in range(50):  # 9 ms a change: from 4 drafts a switch to 5 saves less than one change over HORIZON
+        times.observe_change(1, 0.0162 + 0.009)
+    cost = StepCost(times, tokens=1, produced=1)
+    copying = runs_of(*[5] * 10)
+
+    def four_drafts(n: int) -> bool:
+        return n == 4
+
+    regret = ShapeRegret()
+    kept = 0
+    while choose_drafts(cost, [(copying, 5, 0)], four_drafts, regret) == [4]:
+        kept += 1
+        assert kept < 50
+    assert kept > 1 and regret.seconds == 0.0  # kept for a while, then switched, and the count starts again
+    assert choose_drafts(cost, [(copying, 5, 0)], four_drafts) == [4]  # without a count: never
+    regret.seconds = 1.0
+    assert choose_drafts(cost, [(copying, 5, 0)], None, regret) == [5] and regret.seconds == 0.0
 
 
 def test_the_whole_step_switches_or_none_of_it():

@@ -267,7 +267,9 @@ def test_grammar_with_speculative_decoding(smollm2_ir, monkeypatch):
     from service.core import scheduler as scheduler_module
 
     monkeypatch.setattr(
-        scheduler_module, "choose_drafts", lambda cost, requests, fits=None: [limit for _, limit, _ in requests]
+        scheduler_module,
+        "choose_drafts",
+        lambda cost, requests, fits=None, regret=None: [limit for _, limit, _ in requests],
     )
     running = Running(base_config(smollm2_ir, speculation="auto", speculative_tokens=4))
     schema = SCHEMAS["enum_and_array"]

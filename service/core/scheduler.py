@@ -38,6 +38,7 @@ from service.core.speculative import (
     GuessRecord,
     PromptLookup,
     Proposer,
+    ShapeRegret,
     StepCost,
     choose_drafts,
 )
@@ -132,6 +133,7 @@ class Scheduler:
         self.speculation = config.speculation  # for requests that do not choose
         self.proposer = proposer or PromptLookup(config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram)
         self.guess_record = GuessRecord()  # what guesses of each kind earned across requests: their prior
+        self.shape_regret = ShapeRegret()  # what keeping the last shape has cost the drafts
         # a step's fixed cost in units of one token's work: the engine feeds it the times of its steps
         self.step_times = step_times or StepTimes()
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -445,7 +447,8 @@ class Scheduler:
         # after this, a preemption or drafts cut for blocks change the step's shape as they would have before.
         if keeps_shape is not None and cost.tokens == cost.sequences:
             fits = partial(keeps_shape, cost.sequences)
-        chosen = choose_drafts(cost, [(r.draft_stats, limit, r.num_tokens) for r, limit, _ in candidates], fits)
+        requests = [(r.draft_stats, limit, r.num_tokens) for r, limit, _ in candidates]
+        chosen = choose_drafts(cost, requests, fits, self.shape_regret)
         return {r.id: self._drafts(r, guess, k) for (r, _, guess), k in zip(candidates, chosen, strict=True)}
 
     def _guess(self, request: Request) -> tuple[int, ...]:

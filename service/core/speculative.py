@@ -44,7 +44,11 @@ PRIOR_ACCEPTANCE = 0.5
 # and 0.91x (against 0.95x and 0.88x), edits 1.37x and 1.15x (1.30x, 1.13x). Otherwise the drafts are placed
 # within the shape (fit_drafts) rather than each request keeping its number: at 4 streams of writing, where
 # one request's guess runs out as another's starts, 0.998x plain against 0.949x (12 rounds, same run; 485
-# changes of shape against 625), edits 1.46x against 1.43x.
+# changes of shape against 625), edits 1.46x against 1.43x. A shape is also left once the steps kept in it
+# have given up as much time as the switch costs (ShapeRegret: rent or buy), since a match that lasts does not
+# come and go: a lone request copying a passage sat at 2 drafts for 40 steps where 10 were best. Same-run A/B
+# against the horizon alone: edits at one stream 9.5 s of steps against 10.4 s (16 prompt runs), at 8 streams
+# 1.15x plain against 1.14x; writing at 4 and 8 streams 0.99x and 1.00x against 0.97x and 0.99x.
 HORIZON = 4
 CHANGES_PER_SWITCH = 2
 # The drafts kept in verify steps against what the runs expected, by kind (GuessRecord.calibration): each
@@ -321,27 +325,48 @@ class StepCost:
 Candidate = tuple[DraftStats, int, int]  # a decoding request: what its guesses earned, its limit, its tokens
 
 
+@dataclass
+class ShapeRegret:
+    """What keeping the last step's shape has cost the draft rule since drafts last changed it: the time its
+    steps gave up against the best numbers (choose_drafts), in StepTimes' units. Owned by the scheduler."""
+
+    seconds: float = 0.0
+
+
 def choose_drafts(
-    cost: StepCost, requests: Sequence[Candidate], fits: Callable[[int], bool] | None = None
+    cost: StepCost,
+    requests: Sequence[Candidate],
+    fits: Callable[[int], bool] | None = None,
+    regret: ShapeRegret | None = None,
 ) -> list[int]:
     """The number of drafts for each of a step's decoding requests: each request's best number in turn, each
     added to the step before the next is judged (a draft's rows cost by the rows before them). The step's
     shape is what a change costs, and fits(n) says whether a step carrying n drafts in all keeps the last
-    step's shape (None: there is none to keep). When the best numbers need another shape, they are taken only
-    if the time they save over HORIZON steps pays for CHANGES_PER_SWITCH changes; otherwise the step takes
-    the best numbers that keep the shape (fit_drafts). The whole step switches or none of it: a request's own
-    share of a many-request step is too small to pay for a change alone."""
+    step's shape (None: there is none to keep). When the best numbers need another shape, they are taken if
+    the time they save over HORIZON steps pays for CHANGES_PER_SWITCH changes, or once what keeping the shape
+    has given up so far (regret) does; otherwise the step takes the best numbers that keep the shape
+    (fit_drafts). The whole step switches or none of it: a request's own share of a many-request step is too
+    small to pay for a change alone."""
     expected = [(stats.expected_tokens_up_to(limit), context) for stats, limit, context in requests]
     best, best_step = in_turn(cost, expected)
     if fits is None or fits(best_step.num_drafts):
+        if regret is not None and fits is None:  # the step takes its own shape
+            regret.seconds = 0.0
         return best
     fitting = fit_drafts(cost, expected, fits)
     if fitting is None:
         return best
     fit, fit_step = fitting
-    saved = HORIZON * fit_step.seconds * (1 - fit_step.speed / best_step.speed)
+    given_up = fit_step.seconds * (1 - fit_step.speed / best_step.speed)
     switching = CHANGES_PER_SWITCH * cost.times.change_cost(fit_step.tokens + fit_step.num_drafts, cost.sequences)
-    return best if saved > switching else fit
+    so_far = 0.0 if regret is None else regret.seconds
+    if HORIZON * given_up > switching or so_far + given_up > switching:
+        if regret is not None:
+            regret.seconds = 0.0
+        return best
+    if regret is not None:
+        regret.seconds += given_up
+    return fit
 
 
 Expected = tuple[list[float], int]  # a request's expected tokens by number of drafts (0 to its limit), its context
