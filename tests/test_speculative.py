@@ -782,6 +782,8 @@ def test_a_shape_that_keeps_giving_up_time_is_left_once_that_pays_for_a_switch()
     assert choose_drafts(cost, [(copying, 5, 0)], four_drafts) == [4]  # without a count: never
     regret.seconds = 1.0
     assert choose_drafts(cost, [(copying, 5, 0)], None, regret) == [5] and regret.seconds == 0.0
+    regret.seconds = 1.0  # no number of drafts keeps the shape: it changes, and the count starts again
+    assert choose_drafts(cost, [(copying, 5, 0)], lambda n: False, regret) == [5] and regret.seconds == 0.0
 
 
 def test_the_whole_step_switches_or_none_of_it():

@@ -354,7 +354,9 @@ def choose_drafts(
             regret.seconds = 0.0
         return best
     fitting = fit_drafts(cost, expected, fits)
-    if fitting is None:
+    if fitting is None:  # no number of drafts keeps the shape: it changes
+        if regret is not None:
+            regret.seconds = 0.0
         return best
     fit, fit_step = fitting
     given_up = fit_step.seconds * (1 - fit_step.speed / best_step.speed)
