@@ -347,27 +347,24 @@ def choose_drafts(
     has given up so far (regret) does; otherwise the step takes the best numbers that keep the shape
     (fit_drafts). The whole step switches or none of it: a request's own share of a many-request step is too
     small to pay for a change alone."""
+    regret = regret or ShapeRegret()  # without one, a count that starts at 0 every step
     expected = [(stats.expected_tokens_up_to(limit), context) for stats, limit, context in requests]
     best, best_step = in_turn(cost, expected)
     if fits is None or fits(best_step.num_drafts):
-        if regret is not None and fits is None:  # the step takes its own shape
+        if fits is None:  # the step takes its own shape
             regret.seconds = 0.0
         return best
     fitting = fit_drafts(cost, expected, fits)
     if fitting is None:  # no number of drafts keeps the shape: it changes
-        if regret is not None:
-            regret.seconds = 0.0
+        regret.seconds = 0.0
         return best
     fit, fit_step = fitting
     given_up = fit_step.seconds * (1 - fit_step.speed / best_step.speed)
     switching = CHANGES_PER_SWITCH * cost.times.change_cost(fit_step.tokens + fit_step.num_drafts, cost.sequences)
-    so_far = 0.0 if regret is None else regret.seconds
-    if HORIZON * given_up > switching or so_far + given_up > switching:
-        if regret is not None:
-            regret.seconds = 0.0
+    if HORIZON * given_up > switching or regret.seconds + given_up > switching:
+        regret.seconds = 0.0
         return best
-    if regret is not None:
-        regret.seconds += given_up
+    regret.seconds += given_up
     return fit
 
 
