@@ -177,17 +177,20 @@ class StepTimes:
         difference (measured at a short context, where n one-token rows cost what one sequence of n tokens
         does), and at least ROW_FLOOR of the step a row; before the curve is measured, the prior line's for a
         step of `sequences` sequences, in the step's own units."""
-        return self.rows_costs_up_to(tokens, num_drafts, sequences)[num_drafts]
+        return self._rows_costs(tokens, (num_drafts,), sequences)[0]
 
     def rows_costs_up_to(self, tokens: int, limit: int, sequences: int = 1) -> list[float]:
         """rows_cost(tokens, k, sequences) for k = 0 to limit, the step's own cost read once: the draft rule
         asks for these lists about twenty times a step."""
+        return self._rows_costs(tokens, range(limit + 1), sequences)
+
+    def _rows_costs(self, tokens: int, counts: Sequence[int], sequences: int) -> list[float]:
         if not self.sizes.get(1):
             base = self.cost(tokens, sequences)
-            return [self.cost(tokens + k, sequences) - base for k in range(limit + 1)]
+            return [self.cost(tokens + k, sequences) - base for k in counts]
         base = self.cost(tokens)
         floor = self.ROW_FLOOR * base
-        return [max(self.cost(tokens + k) - base, k * floor) for k in range(limit + 1)]
+        return [max(self.cost(tokens + k) - base, k * floor) for k in counts]
 
     def draft_cost(self, num_drafts: int, tokens: int = 1, sequences: int = 1, context: int = 0) -> float:
         """What num_drafts drafts for one decoding sequence, `context` tokens long, add to a step of `tokens`
