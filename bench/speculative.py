@@ -186,10 +186,10 @@ def cost_curve(
     for context in contexts:
         per_seq = -(-(context + max_drafts + 1) // runner.block_size)
         for batch in batches:
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
             for rows_form in (False, True) if batch > 1 else (False,):
                 rows = []
                 for drafts in range(max_drafts + 1):
-                    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
                     seqs = [r for t in tables for r in verify_inputs([1] * (1 + drafts), context, t, rows_form)]
                     runner.execute(seqs)
                     times = []
