@@ -106,10 +106,10 @@ class EngineConfig:
         "how a request's drafts are fed to the model. rows: as one-token sequences on its block table, computed "
         "exactly as decode steps compute those positions (greedy replies equal plain decoding's where decoding "
         "rows run in f32, int8 weights included), at 5-12%% more per verify step at 5 drafts and more at long "
-        "contexts; sequence: as one many-token sequence, faster, rounding differently at near ties on int8 "
-        "weights; auto: rows where decoding rows run in f32 (--inference-precision auto or f32) and the step has "
-        "two sequences or more (a request decoding alone takes another attention path), otherwise sequence (in "
-        "bf16 a row depends on its step's size anyway)",
+        "contexts (each row reads the whole context); sequence: as one many-token sequence, faster, rounding "
+        "differently at near ties on int8 weights; auto: rows where decoding rows run in f32 "
+        "(--inference-precision auto or f32), otherwise sequence (in bf16 a row depends on its step's size "
+        "anyway)",
         VERIFY_DRAFTS,
     )
     kernel_cache_shapes: int = setting(

@@ -200,14 +200,14 @@ class EngineCore:
         for n in sizes:
             for i in range(repeats + 1):
                 start = time.perf_counter()
-                self.runner.execute(verify_inputs([0] * n, 8, blocks, one_token_rows=False))  # alone: _drafts_as_rows
+                self.runner.execute(verify_inputs([0] * n, 8, blocks, self._drafts_as_rows(1)))  # as a lone request
                 if i:
                     self.step_times.observe(n, time.perf_counter() - start)
         # and what a change of shape costs: steps alternating between no drafts and K, shapes seen above
         for i in range(2 * repeats):
             n = 1 + (i % 2) * self.config.speculative_tokens
             start = time.perf_counter()
-            self.runner.execute(verify_inputs([0] * n, 8, blocks, one_token_rows=False))
+            self.runner.execute(verify_inputs([0] * n, 8, blocks, self._drafts_as_rows(1)))
             self.step_times.observe_change(n, time.perf_counter() - start)
         self._measure_draft_costs()
 
@@ -375,21 +375,15 @@ class EngineCore:
         needed = StepShape(tokens, tokens if self._drafts_as_rows(sequences) else sequences, tokens)
         return self.shape_keeper.keeps(needed, self.runner.last_shapes.get(self.runner.copy_for_tokens(tokens)))
 
-    def _drafts_as_rows(self, sequences_on_f32: int) -> bool:
-        """Whether a step with this many sequences on the f32 copy (long prompt pieces apart) feeds drafts as
-        one-token rows (draft_rows): only beside another sequence. A sequence alone there takes another
-        attention path (the plugin sums its attention in per-block partials: 1e-5 apart in the logits from the
-        same row beside a padding row, which the quantization of activations and of the u8 cache can amplify
-        at a rounding edge, to 0.62 at one 400-token context), so a request decoding alone gets no exact
-        drafts either way, and one sequence is the faster (11 rows each read the whole context)."""
-        return self.draft_rows and sequences_on_f32 > 1
-
     def _step_inputs(self, plan: StepPlan) -> list[StepInput]:
         """The step's sequences, drafts as one-token rows where _drafts_as_rows says so."""
-        inputs = [row for c in plan.chunks for row in step_inputs(c, one_token_rows=False)]
-        if not any(c.drafts for c in plan.chunks) or not self._drafts_as_rows(len(self.runner.split(inputs)[1])):
-            return inputs
-        return [row for c in plan.chunks for row in step_inputs(c, one_token_rows=True)]
+        return [row for c in plan.chunks for row in step_inputs(c, self._drafts_as_rows(len(plan.chunks)))]
+
+    def _drafts_as_rows(self, sequences: int) -> bool:
+        """Whether a step of this many requests feeds drafts as one-token rows (draft_rows), which a request
+        decoding alone does too unless its plain steps run on the single_token copy (--fast-single-stream):
+        there rows would be no more exact than one sequence, only slower."""
+        return self.draft_rows and (sequences > 1 or self.runner.single_token_request is None)
 
     def _save_filled_blocks(self) -> None:
         """Queue the blocks this step filled for the disk tier, before any later step can reuse them."""
@@ -608,9 +602,10 @@ def step_inputs(chunk: ScheduledChunk, one_token_rows: bool) -> list[StepInput]:
     the rows come from the kernel for many-token queries, which also reads the drafts' keys and values before
     they are rounded to the u8 cache: on SmolLM2 int8 the top two logits' gap moved by 0.08 at the median and
     0.5 at the 99th percentile, and greedy replies with drafts differed from plain decoding's. One-token rows
-    cost as much at 1-2 drafts and 5-12% more at 5 (more reads of the context), so by default (verify_drafts
-    auto) they are used where they make speculation exact: where decoding rows run in f32
-    (ModelRunner.rows_alike_in_every_step), in steps of two sequences or more (EngineCore._drafts_as_rows)."""
+    cost as much at 1-2 drafts and more beyond, more at long contexts (each row reads the whole context: a lone
+    request's 11 rows took 1.18x one sequence's time at a 300-token context, 1.38x at 700), so by default
+    (verify_drafts auto) they are used where they make speculation exact: where decoding rows run in f32
+    (ModelRunner.rows_alike_in_every_step), a request decoding alone included."""
     if not chunk.drafts:
         return [StepInput(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits)]
     return verify_inputs(chunk.token_ids, chunk.start, chunk.block_ids, one_token_rows)
