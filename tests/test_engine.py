@@ -464,6 +464,28 @@ def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir
         engine.shutdown()
 
 
+def test_a_request_decoding_alone_gets_the_logprobs_it_gets_beside_another(tiny_qwen3_ir):
+    """int8 weights, a u8 cache and auto precision, as served: a request's log-probabilities are the same to the
+    bit whether it decodes alone or beside another request. The plugin computes a lone one-token row's attention
+    another way (per-block partials) unless the runner adds its empty sequence, and the quantization of
+    activations can carry that last-bit difference to a near tie."""
+    config = EngineConfig(kv_cache_gb=0.02, enable_prefix_caching=False)
+    engine = Engine(tiny_qwen3_ir, config)
+    engine.start()
+    try:
+        prompt, other = ([random.Random(51 + i).randrange(100, 150_000) for _ in range(40)] for i in range(2))
+        params = SamplingParams(max_new_tokens=60, ignore_eos=True, logprobs=3)
+
+        async def beside():
+            return await asyncio.gather(_all_logprobs(engine, prompt, params), _all_logprobs(engine, other, params))
+
+        alone = run(_all_logprobs(engine, prompt, params))
+        assert len(alone) == 60
+        assert run(beside())[0] == alone
+    finally:
+        engine.shutdown()
+
+
 def test_decoding_logprobs_do_not_depend_on_prompts_sharing_their_steps(tiny_qwen3_ir):
     """int8 weights, a u8 cache and auto precision, as served: two requests decoding alone and while prompts of
     100 tokens arrive get the same log-probabilities at every position, to the bit. Where there is a bf16 copy,

@@ -408,6 +408,14 @@ def test_drafts_are_fed_as_rows_where_decoding_rows_run_in_f32_unless_asked_othe
             assert engine.core.draft_rows is rows
         finally:
             engine.shutdown()
+    # with --fast-single-stream a lone request's plain steps run on another copy: rows would make it no more exact
+    engine = Engine(tiny_qwen3_ir, EngineConfig(kv_cache_gb=0.02, inference_precision="f32", fast_single_stream=True))
+    try:
+        assert engine.core.draft_rows
+        assert not engine.core._drafts_as_rows(1)
+        assert engine.core._drafts_as_rows(2)
+    finally:
+        engine.shutdown()
     assert EngineConfig(verify_drafts="sideways").problems() == ["verify_drafts must be one of auto, rows, sequence"]
 
 
