@@ -252,11 +252,12 @@ class ModelRunner:
         else:
             shape = needed
         if all(len(s.token_ids) == 1 for s in seqs):
-            # An empty sequence makes the plugin's PagedAttention compute these rows one by one, as it does every
-            # step with a longer sequence or at least as many sequences as threads; without it, fewer one-token
-            # rows than threads (a request decoding alone) have their attention summed in per-block partials,
-            # which differ in the last bits and can flip a near tie after the dynamic quantization of
-            # activations. Free: it adds no token (test_runner has the check).
+            # The plugin's PagedAttention sums the attention of fewer one-token rows than threads (a request
+            # decoding alone) in per-block partials, and every other step's row by row: the two differ in the
+            # last bits, which the dynamic quantization of activations can carry to a near tie. It takes a
+            # sequence that is not one token long as a prompt piece, so an empty one sends the step row by row,
+            # whatever the thread count, and adds no token (test_a_lone_decoding_row_is_computed_as_beside_other_
+            # sequences).
             seqs = [*seqs, StepInput((), 0, (), 0)]
         input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64)
         positions = np.concatenate([np.arange(s.past_len, s.past_len + len(s.token_ids)) for s in seqs])
@@ -292,12 +293,12 @@ class ModelRunner:
 
     @property
     def rows_alike_in_every_step(self) -> bool:
-        """Whether a decoding row in a step of two tokens or more on the f32 copy is computed the same way whatever
-        else the step holds, a request decoding alone included (_infer gives its rows the path rows beside others
-        take): every step's sequences but long prompt pieces run on one compiled copy, in f32 activations (in
-        bf16 the matmul kernels depend on a step's row count: SmolLM2 int8 on this AMX host gave a decoding row
-        beside 1 or 3 others other logits, by up to 0.5, than beside 4 or more). Steps of one token run on the
-        single_token copy where there is one (copy_for)."""
+        """Whether a decoding row on the f32 copy is computed the same way whatever else the step holds, alone
+        included (_infer gives a lone row the path of rows beside others): every step's sequences but long prompt
+        pieces run on one compiled copy, in f32 activations (in bf16 the matmul kernels depend on a step's row
+        count: SmolLM2 int8 on this AMX host gave a decoding row beside 1 or 3 others other logits, by up to 0.5,
+        than beside 4 or more). Not on the single_token copy (--fast-single-stream), which runs one-token steps
+        without quantizing activations (copy_for)."""
         return self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
 
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
