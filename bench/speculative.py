@@ -175,8 +175,8 @@ def cost_curve(
 ) -> dict[str, Any]:
     """Step time against tokens per step: `batch` decoding sequences (each `context` tokens long) each feeding
     its last token plus 0..max_drafts drafts, every logits row wanted, as verify steps do: as one sequence a
-    request, and beside other sequences also as one-token rows (what --verify-drafts auto feeds in f32). Median
-    of `repeats` after one unmeasured step per shape; also as a multiple of the step without drafts."""
+    request and as one-token rows (what --verify-drafts auto feeds in f32, a request decoding alone included).
+    Median of `repeats` after one unmeasured step per shape; also as a multiple of the step without drafts."""
     from service.core.config import EngineConfig
     from service.engine.core import verify_inputs
     from service.runner import ModelRunner
@@ -187,7 +187,7 @@ def cost_curve(
         per_seq = -(-(context + max_drafts + 1) // runner.block_size)
         for batch in batches:
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-            for rows_form in (False, True) if batch > 1 else (False,):
+            for rows_form in (False, True):
                 rows = []
                 for drafts in range(max_drafts + 1):
                     seqs = [r for t in tables for r in verify_inputs([1] * (1 + drafts), context, t, rows_form)]
@@ -301,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cost-curve",
         action="store_true",
-        help="only measure step time against tokens per step (batch 1 and 8, 0 to --our-k drafts each, contexts "
-        "of 64 and 512 tokens), e.g. on the Qwen3-4B shape",
+        help="only measure step time against tokens per step (batch 1 and 8, 0 to --our-k drafts each, as one "
+        "sequence and as one-token rows, contexts of 64 and 512 tokens), e.g. on the Qwen3-4B shape",
     )
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
