@@ -217,13 +217,14 @@ def run_streams(
     engines: dict[str, Serve], prompts: list[list[int]], streams: int, rounds: int, max_new: int, per_stream: int = 1
 ) -> dict[str, Any]:
     """rounds rounds of streams * per_stream prompts served by `streams` clients, every engine in turn on the
-    same prompts."""
+    same prompts, in reverse order every other round (an engine that always ran after the same one would
+    always meet what that one leaves behind: its threads winding down, the caches it filled)."""
     rates: dict[str, list[float]] = {name: [] for name in engines}
     replies: dict[str, list[list[int]]] = {name: [] for name in engines}
     size = streams * per_stream
     for r in range(rounds):
         batch = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
-        for name, serve in engines.items():
+        for name, serve in list(engines.items())[:: -1 if r % 2 else 1]:
             t0 = time.perf_counter()
             out = serve(batch, streams, max_new)
             rates[name].append(sum(len(x) for x in out) / (time.perf_counter() - t0))

@@ -143,3 +143,22 @@ def test_speculative_summary_pairs_each_engine_with_its_own_plain_run():
     assert s["ratios"]["ovserve+lookup / genai+lookup"] == pytest.approx((1.5 + 0.75) / 2)
     assert s["identical_greedy_replies"] == {"ovserve+lookup == ovserve": "1/2", "genai+lookup == genai": "2/2"}
     assert all(len(p) > 0 for p in map(speculative.run.load_prompts, speculative.WORKLOADS.values()))
+
+
+def test_speculative_rounds_take_turns_in_alternating_order_and_keep_each_engines_replies():
+    from bench import speculative
+
+    turns: list[str] = []
+
+    def engine(name: str) -> speculative.Serve:
+        def serve(prompts: list[list[int]], streams: int, max_new: int) -> list[list[int]]:
+            turns.append(name)
+            return [[len(name), *p] for p in prompts]
+
+        return serve
+
+    out = speculative.run_streams({"a": engine("a"), "bb": engine("bb")}, [[1], [2], [3]], 1, 3, 4)
+    assert turns == ["a", "bb", "bb", "a", "a", "bb"]
+    assert out["replies"]["a"] == [[1, 1], [1, 2], [1, 3]]
+    assert out["replies"]["bb"] == [[2, 1], [2, 2], [2, 3]]
+    assert all(len(v) == 3 for v in out["rates"].values())

@@ -122,6 +122,7 @@ def test_logprobs(sdk, model):
         ({"max_tokens": 10**9}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
         ({"n": 2}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (

@@ -187,3 +187,28 @@ def test_false_stop_prefix_is_released():
     d = IncrementalDetokenizer(char_decode, stop=["END"])
     text = "".join(d.add([ord(c)]) for c in "EN EX") + d.flush()
     assert text == "EN EX"
+
+
+def test_the_stop_string_completed_first_ends_the_text_however_the_tokens_arrive():
+    """'bc' completes before 'abcd' does: fed one character at a time the text ends at 'xa', so it must when
+    the characters arrive together too (a verify step's run, or outputs a slow reader let pile up)."""
+    one_by_one = IncrementalDetokenizer(char_decode, stop=["abcd", "bc"])
+    assert "".join(one_by_one.add([ord(c)]) for c in "xabcd") == "xa"
+    at_once = IncrementalDetokenizer(char_decode, stop=["abcd", "bc"])
+    assert at_once.add([ord(c) for c in "xabcd"]) == "xa" and at_once.stopped
+    included = IncrementalDetokenizer(char_decode, stop=["abcd", "bc"], include_stop=True)
+    assert included.add([ord(c) for c in "xabcdyz"]) == "xabc"
+
+
+def test_a_stop_string_in_the_held_back_tail_ends_the_text_at_flush():
+    """Text ending in an incomplete character is held back whole; when the stream ends there, flush still cuts
+    it at a stop string."""
+    pieces = [b"Hello", b" END", b" world ", "🦊".encode()[:2]]
+
+    def byte_decode(ids):
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    d = IncrementalDetokenizer(byte_decode, stop=[" END"])
+    assert d.add([0, 1, 2, 3]) == ""  # ends in an incomplete character: nothing shown yet
+    assert d.flush() == "Hello" and d.stopped
+    assert d.flush() == ""

@@ -584,6 +584,54 @@ def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwe
     assert stats.num_accepted_tokens > 0, stats
 
 
+def test_a_stop_string_inside_a_kept_run_ends_the_reply_where_plain_decoding_ends_it(tiny_qwen3_fp16_ir, every_draft):
+    """Stop strings are matched by the front, on text: a verify step's run carries tokens past the one that
+    completes a stop string, and those must not reach the reply, its logprobs, its usage or its finish reason."""
+    greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    (reply,), _ = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [greedy])
+    engine = Engine(tiny_qwen3_fp16_ir, EngineConfig(kv_cache_gb=0.02, inference_precision="f32"))
+    decode = engine.tokenizer.decode
+    text = decode(reply)
+    stops = []  # stop strings that the reply completes first at its tokens 9, 15, 21 and 27
+    for j in (9, 15, 21, 27):
+        head = decode(reply[: j + 1])
+        stop = head[-3:]
+        if "\ufffd" not in stop and text.find(stop) + len(stop) == len(head) and stop not in decode(reply[:j]):
+            stops.append(stop)
+    assert len(stops) >= 2, stops
+
+    async def run(params: SamplingParams):
+        tokens, logprobs, pieces, last = [], [], [], None
+        async for out in engine.generate(TEXT, params):
+            tokens += out.token_ids
+            logprobs += [(lp.token_id, round(lp.logprob, 3)) for lp in out.logprobs]
+            pieces.append(out.text)
+            last = out
+        return tokens, logprobs, "".join(pieces), last.finish_reason, last.usage.completion_tokens, last.usage
+
+    async def main():
+        results = []
+        for stop in stops:
+            params = dataclasses.replace(greedy, stop=(stop,), logprobs=1)
+            plain = await run(dataclasses.replace(params, speculation="off"))
+            fast = await run(dataclasses.replace(params, speculation="auto"))
+            results.append((stop, plain, fast))
+        return results
+
+    engine.core.scheduler.proposer = type("Exact", (Oracle,), {"WRONG": 10**9})([TEXT], [reply])
+    engine.start()
+    try:
+        results = asyncio.run(main())
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    for stop, plain, fast in results:
+        assert plain[3] is FinishReason.STOP and plain[4] < 40 and plain[2] == text[: text.find(stop)], stop
+        assert fast[:5] == plain[:5], stop
+        assert 0 < fast[5].accepted_draft_tokens < fast[4]  # its own kept drafts only, those before the stop
+    assert stats.num_accepted_tokens > sum(fast[5].accepted_draft_tokens for _, _, fast in results)  # runs went past
+
+
 def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir, every_draft):
     """Speculation on: the same seeded request alone and beside others (which changes its steps' shapes and
     what shares them) gives one reply; and since verification draws once per emitted token, the reply is
@@ -981,6 +1029,27 @@ def test_drafts_never_preempt_and_leave_others_their_block():
     assert s.num_preemptions == 0 and not plan.preempted
     assert [c.request for c in plan.chunks] == [a, b]
     assert plan.chunks[0].drafts == ()  # the free block is b's to grow into, not a's drafts'
+
+
+def test_drafts_leave_a_prompt_computed_in_pieces_the_blocks_for_its_next_piece():
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, prompt_chunk_tokens=8, speculation="auto", speculative_tokens=3
+    )
+    s = Scheduler(config, KVCacheManager(6, BS), 24, step_times=StepTimes(1000.0))
+    s.speculative_tokens = 0  # set the scene without drafts
+    a = Request(next(IDS), [1, 2, 1, 2, 1, 2], SamplingParams())
+    s.add(a)
+    s.update(s.schedule(), [[2]])
+    b = Request(next(IDS), list(range(50, 66)), SamplingParams())
+    s.add(b)
+    s.update(s.schedule(), [[1]])
+    # a decodes in 2 blocks; b computed the first 8 of its 16 prompt tokens in 2 blocks and needs 2 more for
+    # the next 8; 2 blocks are free
+    assert (a.num_computed_tokens, b.num_computed_tokens, s.kv.pool.num_free) == (7, 8, 2)
+    s.speculative_tokens = 3
+    plan = s.schedule()
+    assert not plan.preempted and s.num_preemptions == 0
+    assert [(c.request, c.num_tokens, c.drafts) for c in plan.chunks] == [(a, 1, ()), (b, 8, ())]
 
 
 # -- the per-request switch ------------------------------------------------------------------------------

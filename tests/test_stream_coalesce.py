@@ -16,9 +16,14 @@ def _queue(*events: EngineOutput) -> asyncio.Queue:
 
 
 def test_waiting_tokens_fold_into_one_event_up_to_the_finish():
-    q = _queue(EngineOutput(1, [2]), EngineOutput(1, [3], finish_reason=FinishReason.LENGTH), EngineOutput(1, [99]))
-    event = coalesce(EngineOutput(1, [1]), q)
-    assert event.token_ids == [1, 2, 3]
+    q = _queue(
+        EngineOutput(1, [2, 3], drafted=[True, False]),
+        EngineOutput(1, [4], drafted=[False], finish_reason=FinishReason.LENGTH),
+        EngineOutput(1, [99], drafted=[False]),
+    )
+    event = coalesce(EngineOutput(1, [1], drafted=[False]), q)
+    assert event.token_ids == [1, 2, 3, 4]
+    assert event.drafted == [False, True, False, False]  # which tokens were kept drafts, token by token
     assert event.finish_reason is FinishReason.LENGTH
     assert q.qsize() == 1  # nothing past the finish is taken
 

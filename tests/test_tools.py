@@ -145,8 +145,8 @@ def test_the_parser_streams_consistent_increments(qwen3, step):
     parser = ReplyParser(ours.decode, (151657, 151658))
     text, deltas = "", []
     for i in range(0, len(ids), step):
-        t, d = parser.add(ids[i : i + step])
-        text, deltas = text + t, deltas + d
+        increment = parser.add(ids[i : i + step])
+        text, deltas = text + increment.text, deltas + increment.calls
     t, d = parser.finish()
     text, deltas = text + t, deltas + d
     assert text == "Checking. " and parser.num_calls == 2
@@ -161,7 +161,9 @@ def test_without_call_tokens_the_parser_is_plain_text(qwen3):
     _, ours = qwen3
     ids = ours.encode("plain words", add_special_tokens=False)
     parser = ReplyParser(ours.decode, None, stop=["words"])
-    assert parser.add(ids)[0] + parser.finish()[0] == "plain " and parser.stopped
+    increment = parser.add(ids)
+    assert increment.text + parser.finish()[0] == "plain " and parser.stopped
+    assert increment.num_tokens == len(ids)  # the last token completed the stop string
 
 
 @pytest.mark.parametrize(
@@ -189,3 +191,33 @@ def test_too_many_tools_or_choices_are_refused_naming_the_limit():
         Tools(tuple(Tool(f"t{i}") for i in range(MAX_TOOLS + 1)))
     with pytest.raises(InvalidArgument, match=rf"^response_format.choice: at most {MAX_CHOICES} strings"):
         ResponseFormat.choice([str(i) for i in range(MAX_CHOICES + 1)])
+
+
+def test_the_reply_ends_at_the_token_that_completed_a_stop_string_and_no_call_after_it_is_parsed(qwen3):
+    """Several tokens at once (a verify step's run): the tokens after the stop string's are not the reply's, so
+    a call that follows it is not parsed, as it would never have been generated one token at a time."""
+    _, ours = qwen3
+    before = ours.encode("Sure STOP then", add_special_tokens=False)
+    call = ours.encode('{"name": "f", "arguments": {}}', add_special_tokens=False)
+    ids = [*before, 151657, *call, 151658]
+    completing = next(i for i in range(len(before)) if "STOP" in ours.decode(before[: i + 1]))
+    parser = ReplyParser(ours.decode, (151657, 151658), stop=["STOP"])
+    increment = parser.add(ids)
+    rest, calls = parser.finish()
+    assert increment.text + rest == "Sure " and increment.calls == [] and calls == [] and parser.num_calls == 0
+    assert increment.num_tokens == completing + 1 and parser.stopped
+    assert parser.add(ids).num_tokens == 0  # nothing more belongs to the reply
+
+
+def test_a_stop_string_held_back_for_an_incomplete_character_ends_the_text_before_a_call():
+    """The text before a call is flushed when the call opens: a stop string in its held-back tail ends the reply
+    there, and the call's opening token is not the reply's."""
+    pieces = {0: b"Hi", 1: b" END\xf0\x9f", 2: b'{"name": "f", "arguments": {}}'}
+
+    def decode(ids):
+        return b"".join(pieces.get(i, b"") for i in ids).decode("utf-8", errors="replace")
+
+    parser = ReplyParser(decode, (100, 101), stop=[" END"])
+    increment = parser.add([0, 1, 100, 2, 101])
+    assert (increment.text, increment.calls, increment.num_tokens) == ("Hi", [], 2)
+    assert parser.stopped and parser.num_calls == 0 and parser.finish() == ("", [])

@@ -40,41 +40,48 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._tokens)
         return self._release()
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def flush(self) -> str:
-        """At the end of the stream: whatever is still held back (an incomplete tail included)."""
-        if not self.stopped and self._read_offset < len(self._tokens):
+        """At the end of the stream: whatever is still held back (an incomplete tail included), up to a stop
+        string in it."""
+        if self.stopped:
+            return ""
+        if self._read_offset < len(self._tokens):
             window_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
             self._text += self._decode(self._tokens[self._prefix_offset :])[len(window_text) :]
             self._read_offset = len(self._tokens)
-        if self.stopped:
-            return ""
-        tail = self._text[self._emitted :]
-        self._emitted = len(self._text)
-        return tail
+        return self._release(final=True)
 
-    def _release(self) -> str:
+    def _release(self, final: bool = False) -> str:
         end = len(self._text)
         if self._stop:
             found = self._find_stop()
             if found is not None:
                 self.stopped = True
                 end = found
-            else:
+            elif not final:
                 end -= self._held_back()
         delta = self._text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         return delta
 
     def _find_stop(self) -> int | None:
+        """Where the text ends for the stop string that the new text completes first: fed token by token, the
+        reply would have ended there (a longer stop string that began earlier but ends later never completes).
+        Its start, or its end with include_stop."""
         # Only the not-yet-emitted text (plus a stop string's length of context) can hold a new match.
         start = max(0, self._emitted - max(map(len, self._stop)))
-        best: int | None = None
+        best: tuple[int, int] | None = None  # (where the match ends, where it starts)
         for s in self._stop:
             i = self._text.find(s, start)
-            if i >= 0:
-                end = i + len(s) if self._include_stop else i
-                best = end if best is None else min(best, end)
-        return best
+            if i >= 0 and (best is None or (i + len(s), i) < best):
+                best = (i + len(s), i)
+        if best is None:
+            return None
+        return best[0] if self._include_stop else best[1]
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of some stop string."""

@@ -278,11 +278,13 @@ class Scheduler:
                 continue
             room = budget - num_new - max(0, pieces_after)
             drafts = chosen_drafts.get(request.id, ())[: max(0, room)] if num_new == 1 else ()
-            # drafts only take blocks that are spare: never preempt for them, and leave every other running
-            # request its block to grow into
-            target = request.num_computed_tokens + num_new + len(drafts)
-            if drafts and not self.kv.allocate(request.id, target, keep_free=len(self.running) - 1):
-                drafts = ()
+            # drafts only take blocks that are spare: never preempt for them, and leave every other running or
+            # loading request the blocks it needs for the rest of its prompt and one more token (as admission does)
+            if drafts:
+                target = request.num_computed_tokens + num_new + len(drafts)
+                reserve = sum(self._blocks_to_grow(r) for r in self._growing() if r is not request)
+                if not self.kv.allocate(request.id, target, keep_free=reserve):
+                    drafts = ()
             plan.chunks.append(self._chunk(request, num_new, drafts))
             budget -= num_new + len(drafts)
         if not plan.preempted:
@@ -335,9 +337,7 @@ class Scheduler:
         # later pieces are not held for: waiting for them cost more steps than the preemptions it saved)
         if not self.waiting:
             return
-        loading = [load.request for load in self.loading.values() if load.request.status is Status.LOADING]
-        growing = [*self.running, *loading]
-        keep_free = sum(self._blocks_to_grow(r) for r in growing)
+        keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
                 break
@@ -370,6 +370,11 @@ class Scheduler:
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
             keep_free += self._blocks_to_grow(request)
+
+    def _growing(self) -> list[Request]:
+        """The requests that hold blocks and will grow: the running ones and those whose blocks a load restores."""
+        loading = [load.request for load in self.loading.values() if load.request.status is Status.LOADING]
+        return [*self.running, *loading]
 
     def _blocks_to_grow(self, request: Request) -> int:
         """Blocks a request that holds some still needs for the rest of its prompt and one more token: a

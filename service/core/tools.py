@@ -146,6 +146,16 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
     return schema
 
 
+@dataclass
+class Increment:
+    """What a reply's next tokens add: text, call increments, and how many of the tokens belong to the reply
+    (all of them, or up to the one that completed a stop string)."""
+
+    text: str
+    calls: list[ToolCallDelta]
+    num_tokens: int
+
+
 class ReplyParser:
     """Splits a reply's tokens into its text and its calls. add() takes each output's tokens and returns the
     text and the call increments they completed; finish() what is left at the end."""
@@ -171,13 +181,24 @@ class ReplyParser:
         """A stop string ended the text."""
         return self._text.stopped
 
-    def add(self, token_ids: Sequence[int]) -> tuple[str, list[ToolCallDelta]]:
+    def add(self, token_ids: Sequence[int]) -> Increment:
+        """The text and call increments these tokens complete. Text that stop strings can end is read a token
+        at a time, so that the reply ends at the token that completed one, however many tokens arrive at once
+        (a verify step's, or outputs a slow reader let pile up): the tokens after it are not the reply's."""
         text, deltas = "", []
         run: list[int] = []
+        used = 0
         for token in token_ids:
+            if self.stopped:
+                break
+            used += 1
             if token == self._open and self._call is None:
                 if not self.num_calls:
-                    text += self._text.add(run) + self._text.flush()
+                    text += (self._text.add(run) if run else "") + self._text.flush()
+                    if self.stopped:  # the text before the call held a stop string: the call is not the reply's
+                        used -= 1
+                        run = []
+                        break
                 self._call, run = _Call(self.num_calls, IncrementalDetokenizer(self._decode)), []
                 self.num_calls += 1
             elif token == self._close and self._call is not None:
@@ -185,11 +206,14 @@ class ReplyParser:
                 self._call, run = None, []
             else:
                 run.append(token)
+                if self._call is None and not self.num_calls and self._text.has_stop_strings:
+                    text += self._text.add(run)
+                    run = []
         if self._call is not None:
             deltas += self._call.add(run)
-        elif not self.num_calls:  # after the first call only the separators between calls come outside them
+        elif not self.num_calls and run:  # after the first call only the separators between calls come outside them
             text += self._text.add(run)
-        return text, deltas
+        return Increment(text, deltas, used)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """At the end of the reply: held-back text, and the rest of an unfinished call (cut by max tokens)."""

@@ -51,13 +51,17 @@ class EngineOutput:
 
     request_id: int
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, or none (none asked for)
+    drafted: list[bool] = field(default_factory=list)  # one per token: whether it was a draft the model kept
     finish_reason: FinishReason | None = None
     error: ServiceError | None = None
     num_cached_tokens: int = 0
     num_restored_tokens: int = 0
-    num_accepted_drafts: int = 0
     queue_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.drafted:  # none said: none was a draft
+            self.drafted = [False] * len(self.token_ids)
 
     @property
     def final(self) -> bool:
@@ -457,17 +461,20 @@ class EngineCore:
             plan = replace(plan, chunks=[c for c in plan.chunks if c.request.id not in gone])
             keep = [i for i in range(len(sampled)) if i not in failed]
             sampled, runs, logprobs = [sampled[i] for i in keep], [runs[i] for i in keep], [logprobs[i] for i in keep]
-        num_before = [c.request.num_output_tokens for c in sampled]
+        before = [(c.request.num_output_tokens, c.request.num_accepted_drafts) for c in sampled]
         self.scheduler.update(plan, runs)
         clock.lap("update")
-        for chunk, n, run_logprobs in zip(sampled, num_before, logprobs, strict=True):
+        for chunk, (n, drafts_before), run_logprobs in zip(sampled, before, logprobs, strict=True):
             matcher = chunk.request.matcher
             if matcher is not None and matcher.error:
                 outputs.append(self._grammar_failed(chunk.request, matcher.error))
                 continue
             new = chunk.request.output_token_ids[n:]  # a stop inside a run drops the tokens after it
             kept = [lp for lp in run_logprobs[: len(new)] if lp is not None]
-            outputs.append(self._output(chunk.request, new, kept))
+            # a verify step's run is its kept drafts, then the model's own token
+            num_kept = chunk.request.num_accepted_drafts - drafts_before
+            drafted = [True] * num_kept + [False] * (len(new) - num_kept)
+            outputs.append(self._output(chunk.request, new, kept, drafted))
         return outputs
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
@@ -514,16 +521,22 @@ class EngineCore:
             outputs.append(self._error(request, error))
         self._publish(outputs)
 
-    def _output(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob]) -> EngineOutput:
+    def _output(
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob],
+        drafted: list[bool] | None = None,
+    ) -> EngineOutput:
         scheduled = request.first_scheduled_time
         return EngineOutput(
             request.id,
             token_ids,
             logprobs,
+            drafted or [],
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             num_restored_tokens=request.num_restored_tokens,
-            num_accepted_drafts=request.num_accepted_drafts,
             queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
         )
 

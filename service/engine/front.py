@@ -124,25 +124,36 @@ class Engine:
                 raise Unavailable("the engine has stopped")
             self.core.submit(request)
             parser = ReplyParser(self.tokenizer.decode, call_ids, params.stop, params.include_stop_str_in_output)
-            num_tokens, first_token_time = 0, None
+            num_tokens = num_drafts = 0
+            first_token_time = None
             while not finished:
                 out = coalesce(await stream.outputs.get(), stream.outputs)
                 if out.error is not None:
                     finished = True
                     raise out.error
-                text, calls = parser.add(out.token_ids)
-                num_tokens += len(out.token_ids)
-                if out.token_ids and first_token_time is None:
+                increment = parser.add(out.token_ids)
+                text, calls = increment.text, increment.calls
+                # a stop string ends the reply at the token that completed it: the tokens after it (the rest of
+                # a verify step's run, or of outputs that piled up) are not the reply's, as they would not have
+                # been generated one token at a time
+                token_ids = out.token_ids[: increment.num_tokens]
+                logprobs = out.logprobs[: increment.num_tokens]
+                num_tokens += len(token_ids)
+                num_drafts += sum(out.drafted[: increment.num_tokens])
+                if token_ids and first_token_time is None:
                     first_token_time = time.monotonic()
                 finish = out.finish_reason
-                if parser.stopped and finish is None:
+                if parser.stopped:
+                    if finish is None:
+                        self.core.abort(request.id)
                     finish = FinishReason.STOP
-                    self.core.abort(request.id)
                 usage = timings = None
                 if finish is not None:
                     finished = True
                     rest, more = parser.finish()
                     text, calls = text + rest, calls + more
+                    if parser.stopped:  # a stop string in the text held back to the end (an incomplete character)
+                        finish = FinishReason.STOP
                     if finish is FinishReason.STOP and parser.num_calls:
                         finish = FinishReason.TOOL_CALLS
                     usage = Usage(
@@ -150,11 +161,11 @@ class Engine:
                         num_tokens,
                         out.num_cached_tokens,
                         out.num_restored_tokens,
-                        out.num_accepted_drafts,
+                        num_drafts,
                     )
                     timings = _timings(request.arrival_time, out.queue_seconds, first_token_time)
                 yield RequestOutput(
-                    request.label, tuple(out.token_ids), text, tuple(out.logprobs), finish, usage, timings, tuple(calls)
+                    request.label, tuple(token_ids), text, tuple(logprobs), finish, usage, timings, tuple(calls)
                 )
         finally:
             del self._streams[request.id]
@@ -261,7 +272,12 @@ def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> EngineO
         later = pending.get_nowait()
         if later.error is not None:
             return later
-        out = replace(later, token_ids=out.token_ids + later.token_ids, logprobs=out.logprobs + later.logprobs)
+        out = replace(
+            later,
+            token_ids=out.token_ids + later.token_ids,
+            logprobs=out.logprobs + later.logprobs,
+            drafted=out.drafted + later.drafted,
+        )
     return out
 
 

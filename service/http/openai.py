@@ -196,8 +196,9 @@ def _call(
         "frequency_penalty": _number(fields, "frequency_penalty"),
         "include_stop_str_in_output": _bool(fields, "include_stop_str_in_output"),
         "ignore_eos": _bool(fields, "ignore_eos"),
-        # The engine reports the chosen token's logprob only beside at least one alternative.
-        "logprobs": None if top_logprobs is None else max(top_logprobs, 1),
+        # The engine reports the chosen token's logprob only beside at least one alternative (a negative count
+        # goes on to be refused by name)
+        "logprobs": None if top_logprobs is None else top_logprobs if top_logprobs < 0 else max(top_logprobs, 1),
         "speculation": _str(fields, "speculation"),  # "auto" or "off": SamplingParams.validate checks it
     }
     # Unset sampling fields take the model's recommended settings, then OpenAI's defaults (temperature 1),
