@@ -301,6 +301,12 @@ class ModelRunner:
         without quantizing activations (copy_for)."""
         return self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
 
+    @property
+    def lone_rows_apart(self) -> bool:
+        """Whether a step of one token runs on a compiled copy of its own (single_token, --fast-single-stream),
+        so that a lone decoding row is computed otherwise than rows beside others whatever the step holds."""
+        return self.single_token_request is not None
+
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
         """Which compiled copy runs these sequences (a step's, long prompt pieces apart): "single_token" for
         one token where there is that copy, else "main". Each copy keeps its own last shape (last_shapes)."""

@@ -330,7 +330,7 @@ def test_fast_single_stream_shares_the_kv_cache(tiny_qwen3_fp16_ir, reference):
     fast = Engine(tiny_qwen3_fp16_ir, config)
     fast.start()
     try:
-        assert fast.core.runner.single_token_request is not None
+        assert fast.core.runner.lone_rows_apart
         ps = prompts(4, seed=11)
 
         async def main():

@@ -412,8 +412,8 @@ def test_drafts_are_fed_as_rows_where_decoding_rows_run_in_f32_unless_asked_othe
     engine = Engine(tiny_qwen3_ir, EngineConfig(kv_cache_gb=0.02, inference_precision="f32", fast_single_stream=True))
     try:
         assert engine.core.draft_rows
-        assert not engine.core._drafts_as_rows(1)
-        assert engine.core._drafts_as_rows(2)
+        assert not engine.core.drafts_as_rows(1)
+        assert engine.core.drafts_as_rows(2)
     finally:
         engine.shutdown()
     assert EngineConfig(verify_drafts="sideways").problems() == ["verify_drafts must be one of auto, rows, sequence"]

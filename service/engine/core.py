@@ -204,14 +204,14 @@ class EngineCore:
         for n in sizes:
             for i in range(repeats + 1):
                 start = time.perf_counter()
-                self.runner.execute(verify_inputs([0] * n, 8, blocks, self._drafts_as_rows(1)))  # as a lone request
+                self.runner.execute(verify_inputs([0] * n, 8, blocks, self.drafts_as_rows(1)))  # as a lone request
                 if i:
                     self.step_times.observe(n, time.perf_counter() - start)
         # and what a change of shape costs: steps alternating between no drafts and K, shapes seen above
         for i in range(2 * repeats):
             n = 1 + (i % 2) * self.config.speculative_tokens
             start = time.perf_counter()
-            self.runner.execute(verify_inputs([0] * n, 8, blocks, self._drafts_as_rows(1)))
+            self.runner.execute(verify_inputs([0] * n, 8, blocks, self.drafts_as_rows(1)))
             self.step_times.observe_change(n, time.perf_counter() - start)
         self._measure_draft_costs()
 
@@ -376,18 +376,18 @@ class EngineCore:
         of the last step on its copy (ShapeKeeper): for the draft rule, which places drafts within it."""
         tokens = sequences + drafts
         # drafts as one-token rows: every token its own sequence; either way every token wants a logits row
-        needed = StepShape(tokens, tokens if self._drafts_as_rows(sequences) else sequences, tokens)
+        needed = StepShape(tokens, tokens if self.drafts_as_rows(sequences) else sequences, tokens)
         return self.shape_keeper.keeps(needed, self.runner.last_shapes.get(self.runner.copy_for_tokens(tokens)))
 
     def _step_inputs(self, plan: StepPlan) -> list[StepInput]:
-        """The step's sequences, drafts as one-token rows where _drafts_as_rows says so."""
-        return [row for c in plan.chunks for row in step_inputs(c, self._drafts_as_rows(len(plan.chunks)))]
+        """The step's sequences, drafts as one-token rows where drafts_as_rows says so."""
+        return [row for c in plan.chunks for row in step_inputs(c, self.drafts_as_rows(len(plan.chunks)))]
 
-    def _drafts_as_rows(self, sequences: int) -> bool:
+    def drafts_as_rows(self, sequences: int) -> bool:
         """Whether a step of this many requests feeds drafts as one-token rows (draft_rows), which a request
         decoding alone does too unless its plain steps run on the single_token copy (--fast-single-stream):
         there rows would be no more exact than one sequence, only slower."""
-        return self.draft_rows and (sequences > 1 or self.runner.single_token_request is None)
+        return self.draft_rows and (sequences > 1 or not self.runner.lone_rows_apart)
 
     def _save_filled_blocks(self) -> None:
         """Queue the blocks this step filled for the disk tier, before any later step can reuse them."""
