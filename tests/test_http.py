@@ -123,6 +123,10 @@ def test_logprobs(sdk, model):
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        ({"max_completion_tokens": 5, "max_tokens": "x"}, "max_tokens"),
         ({"n": 2}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (
@@ -470,3 +474,16 @@ def test_loading_ready_and_draining(tiny_qwen3_ir):
     finally:
         sdk.close()
         running.stop()
+
+
+def test_streamed_completion_logprobs_give_the_offsets_of_the_whole_response(sdk, model):
+    """A token whose text ends inside a multi-byte character is sent with its logprob before its text: the
+    streamed offsets still count every token's text, as the whole response's do."""
+    body = {"model": model, "prompt": "Hello", "logprobs": 1, **GREEDY, "max_tokens": 40}
+    whole = sdk.completions.create(**body).choices[0]
+    chunks = [c.choices[0] for c in sdk.completions.create(stream=True, **body) if c.choices]
+    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    # some token's text came in a later chunk than its logprob: the case is tested
+    assert any(len(c.text) != sum(map(len, c.logprobs.tokens)) for c in chunks if c.logprobs)
+    assert streamed == whole.logprobs.text_offset
+    assert "".join(c.text for c in chunks) == whole.text

@@ -74,6 +74,7 @@ CHAT_FIELDS = frozenset(
 )
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt"))
 MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
+STREAM_OPTIONS = frozenset(("include_usage",))
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's structured_outputs (its successor of guided_json / guided_regex / guided_choice): one of these keys
 STRUCTURED_OUTPUTS = ("json", "regex", "choice")
@@ -121,8 +122,9 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> Call:
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
     names["logprobs"] = "top_logprobs"
     max_tokens = _int(fields, "max_completion_tokens")
+    legacy = _int(fields, "max_tokens")  # checked even when max_completion_tokens wins
     if max_tokens is None:
-        max_tokens = _int(fields, "max_tokens")
+        max_tokens = legacy
     call = _call(
         fields,
         info,
@@ -180,7 +182,10 @@ def _call(
     options = fields.get("stream_options")
     if options is not None and not stream:
         raise InvalidArgument("stream_options", "only allowed with stream: true")
-    include_usage = bool(options and _bool(_object(options, "stream_options"), "include_usage"))
+    include_usage = False
+    if options is not None:
+        known = _present(_object(options, "stream_options"), STREAM_OPTIONS, "stream_options")
+        include_usage = bool(_bool(known, "include_usage", "stream_options"))
     top_k = _int(fields, "top_k")
     sampling: dict[str, Any] = {
         # Unset max_tokens means "until the context is full", as with OpenAI; the engine stops there.
@@ -323,6 +328,7 @@ TOOL_CHOICES = {"auto": Mode.AUTO, "none": Mode.NONE, "required": Mode.REQUIRED}
 def tools(fields: Mapping[str, Any]) -> Tools | None:
     """tools, tool_choice and parallel_tool_calls; errors name the fields as OpenAI's shapes call them."""
     raw, choice = fields.get("tools"), fields.get("tool_choice")
+    parallel = _bool(fields, "parallel_tool_calls")  # checked even where no tools make it matter
     if raw is None and choice is None:
         return None
     if raw is not None and not isinstance(raw, list):
@@ -338,7 +344,6 @@ def tools(fields: Mapping[str, Any]) -> Tools | None:
             raise InvalidArgument(f"{where}.function.parameters", "must be a JSON schema (an object)")
         name = _str(function, "name", f"{where}.function") or ""
         defined.append(Tool(name, _str(function, "description", f"{where}.function") or "", parameters))
-    parallel = _bool(fields, "parallel_tool_calls")
     try:
         return Tools(tuple(defined), _tool_choice(choice, True if parallel is None else parallel))
     except InvalidArgument as exc:  # the domain's tools[i].name is OpenAI's tools[i].function.name
@@ -453,10 +458,10 @@ def _number(fields: Mapping[str, Any], name: str) -> float | None:
     return float(value)
 
 
-def _bool(fields: Mapping[str, Any], name: str) -> bool | None:
+def _bool(fields: Mapping[str, Any], name: str, where: str = "") -> bool | None:
     value = fields.get(name)
     if value is not None and not isinstance(value, bool):
-        raise InvalidArgument(name, f"must be true or false, got {_kind(value)}")
+        raise InvalidArgument(f"{where}.{name}" if where else name, f"must be true or false, got {_kind(value)}")
     return value
 
 
@@ -497,7 +502,10 @@ class Reply:
         self.call, self.model, self.token_text = call, model, token_text
         self.id = ("chatcmpl-" if call.chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
-        self.num_chars = 0  # text sent so far: completions' logprobs give each token's offset in it
+        # the token texts' length so far: completions' logprobs give each token's offset as their running total,
+        # as the whole response does (not the text sent, which holds back a token's text while it ends inside a
+        # multi-byte character or may start a stop string)
+        self.token_chars = 0
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -530,8 +538,8 @@ class Reply:
         """The chunks for one engine output: its text (if any), then the finish reason, then usage."""
         chunks = []
         if out.text or out.logprobs:
-            logprobs = self._logprobs(out.logprobs, self.num_chars)
-            self.num_chars += len(out.text)
+            logprobs = self._logprobs(out.logprobs, self.token_chars)
+            self.token_chars += sum(len(self.token_text(lp.token_id)) for lp in out.logprobs)
             chunks.append(self._chunk({"content": out.text} if self.call.chat else out.text, None, logprobs))
         if out.tool_calls:
             chunks.append(self._chunk({"tool_calls": tool_calls(out.tool_calls)}, None))
