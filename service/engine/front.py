@@ -143,16 +143,17 @@ class Engine:
                 if token_ids and first_token_time is None:
                     first_token_time = time.monotonic()
                 finish = out.finish_reason
-                if parser.stopped:
-                    if finish is None:
-                        self.core.abort(request.id)
+                if parser.stopped and finish is None:
                     finish = FinishReason.STOP
+                    self.core.abort(request.id)
                 usage = timings = None
                 if finish is not None:
                     finished = True
                     rest, more = parser.finish()
                     text, calls = text + rest, calls + more
-                    if parser.stopped:  # a stop string in the text held back to the end (an incomplete character)
+                    # a stop string ends the reply with STOP, also where the engine ended it in the same output
+                    # (at a limit past it) or where it turned up in text held back to the end
+                    if parser.stopped:
                         finish = FinishReason.STOP
                     if finish is FinishReason.STOP and parser.num_calls:
                         finish = FinishReason.TOOL_CALLS

@@ -539,7 +539,8 @@ class Reply:
         chunks = []
         if out.text or out.logprobs:
             logprobs = self._logprobs(out.logprobs, self.token_chars)
-            self.token_chars += sum(len(self.token_text(lp.token_id)) for lp in out.logprobs)
+            if logprobs is not None and not self.call.chat:
+                self.token_chars += sum(map(len, logprobs["tokens"]))
             chunks.append(self._chunk({"content": out.text} if self.call.chat else out.text, None, logprobs))
         if out.tool_calls:
             chunks.append(self._chunk({"tool_calls": tool_calls(out.tool_calls)}, None))
