@@ -180,9 +180,9 @@ def free_port() -> int:
 @contextlib.contextmanager
 def server(model: str, port: int, extra: list[str] | None = None, log_path: Path | None = None, timeout: float = 180.0):
     try:
-        importlib.import_module("service.server")
+        importlib.import_module("service.process")
     except Exception as exc:
-        raise Unsupported(f"service.server is not importable: {exc}") from exc
+        raise Unsupported(f"service.process is not importable: {exc}") from exc
     log = open(log_path, "w") if log_path else None  # noqa: SIM115
     cmd = [
         sys.executable,

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bench.speculative import median_ratio
+from service.engine import GenerationRequest
 
 HERE = Path(__file__).resolve().parent
 TEXTS = {"en": HERE / "texts" / "en.txt", "zh": HERE / "texts" / "zh.txt"}
@@ -34,8 +35,8 @@ TEXTS = {"en": HERE / "texts" / "en.txt", "zh": HERE / "texts" / "zh.txt"}
 def teacher_forced_logits(model_dir: str, token_ids: list[int]) -> np.ndarray:
     """[len(token_ids), vocab] logits: row i predicts token i + 1."""
     from service.core.config import EngineConfig
-    from service.model_files import ModelFiles
-    from service.runner import ModelRunner, StepInput
+    from service.engine.model_files import ModelFiles
+    from service.engine.runner import ModelRunner, StepInput
 
     runner = ModelRunner(ModelFiles.read(model_dir).ir, EngineConfig(kv_cache_gb=0.1, kv_cache_precision="f16"))
     blocks = list(range(-(-len(token_ids) // runner.block_size)))
@@ -51,7 +52,7 @@ def perplexity(logits: np.ndarray, token_ids: list[int]) -> float:
 
 def quality(models: dict[str, str]) -> dict[str, Any]:
     """models: fp16, int8 and int4 model folders (fp16 is the reference)."""
-    from service.tokenizer import Tokenizer
+    from service.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(Path(models["fp16"]))
     result: dict[str, Any] = {}
@@ -82,7 +83,7 @@ def speed(models: dict[str, str], rounds: int, max_new: int, prompt: list[int]) 
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
 
     async def decode_rate(engine: Engine) -> float:
-        async for out in engine.generate(prompt, params):
+        async for out in engine.generate(GenerationRequest(prompt, params)):
             if out.finished:
                 assert out.usage is not None and out.timings is not None
                 return (out.usage.completion_tokens - 1) / out.timings.decode
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.what == "quality":
         result = quality({"fp16": a.fp16, "int8": a.int8, "int4": a.int4})
     else:
-        from service.tokenizer import Tokenizer
+        from service.engine.tokenizer import Tokenizer
 
         prompt = Tokenizer(Path(a.int8)).encode(TEXTS["en"].read_text())[:64]
         result = speed({"int8": a.int8, "int4": a.int4}, a.rounds, a.max_new_tokens, prompt)

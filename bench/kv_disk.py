@@ -34,6 +34,7 @@ from pathlib import Path
 from statistics import mean, median
 
 from bench import workers
+from service.engine import GenerationRequest
 
 REPLY_TOKENS = 16
 TURN_TOKENS = 24
@@ -55,7 +56,9 @@ class Ours:
         t0 = time.perf_counter()
         ttft, computed = 0.0, len(ids)
         tokens: list[int] = []
-        async for out in self.engine.generate(ids, SamplingParams(max_new_tokens=max_new, ignore_eos=True)):
+        async for out in self.engine.generate(
+            GenerationRequest(ids, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+        ):
             if not ttft and out.token_ids:
                 ttft = time.perf_counter() - t0
             tokens += out.token_ids

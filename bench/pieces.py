@@ -23,6 +23,7 @@ from typing import Any
 
 from bench import run, workers
 from bench.speculative import WORKLOADS, ours_serve, run_streams
+from service.engine import GenerationRequest
 
 SETTINGS = {"pieces of 256 (default)": {}, "cut where the budget ends (0)": {"prompt_chunk_tokens": 0}}
 
@@ -51,7 +52,7 @@ async def first_token_seconds(e: Any, ids: list[int]) -> float:
     from service.core.params import SamplingParams
 
     t0 = time.perf_counter()
-    async for _ in e.generate(ids, SamplingParams(max_new_tokens=1)):
+    async for _ in e.generate(GenerationRequest(ids, SamplingParams(max_new_tokens=1))):
         pass
     return time.perf_counter() - t0
 

@@ -55,7 +55,7 @@ class Replica:
     def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if "INFO service.server: serving" in self.log.read_text():
+            if "INFO service.process: serving" in self.log.read_text():
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(

@@ -16,10 +16,10 @@ from statistics import mean, median
 from typing import TYPE_CHECKING
 
 from bench import grpc_load, sysinfo, workers
-from service.model_files import IR_FILE, ModelFiles
+from service.engine.model_files import IR_FILE, ModelFiles
 
 if TYPE_CHECKING:
-    from service.tokenizer import Tokenizer
+    from service.engine.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
@@ -49,7 +49,7 @@ def load_prompts(path: Path = PROMPTS) -> list[dict]:
 
 def tokenize(model_dir: Path, prompts: list[dict]) -> tuple[list[list[int]], Tokenizer]:
     """The prompts' token ids through the model's chat template, and the tokenizer."""
-    from service.tokenizer import Tokenizer
+    from service.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(ModelFiles.read(model_dir).path)
     return [tok.encode_chat(p["messages"]) for p in prompts], tok

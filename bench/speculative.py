@@ -36,6 +36,7 @@ from typing import Any
 
 from bench import run, workers
 from service.core.config import VERIFY_DRAFTS, EngineConfig
+from service.engine import GenerationRequest
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = {"edit": HERE / "prompts-edit.jsonl", "writing": HERE / "prompts.jsonl"}
@@ -74,7 +75,7 @@ def ours_serve(engine: Any) -> Serve:
     async def one(ids: list[int], max_new: int, clients: asyncio.Semaphore) -> list[int]:
         tokens: list[int] = []
         async with clients:
-            async for out in engine.generate(ids, SamplingParams(max_new_tokens=max_new)):
+            async for out in engine.generate(GenerationRequest(ids, SamplingParams(max_new_tokens=max_new))):
                 tokens += out.token_ids
         return tokens
 
@@ -89,7 +90,7 @@ def _config(model: str, max_new: int, k: int, ngram: int, lookup: bool) -> Any:
     """genai's greedy config, stopping at the eos ids ovserve stops at (the model's generation config)."""
     import openvino_genai as og
 
-    from service.model_files import ModelFiles
+    from service.engine.model_files import ModelFiles
 
     eos = ModelFiles.read(model).eos_token_ids
     config = og.GenerationConfig(max_new_tokens=max_new)
@@ -179,7 +180,7 @@ def cost_curve(
     Median of `repeats` after one unmeasured step per shape; also as a multiple of the step without drafts."""
     from service.core.config import EngineConfig
     from service.engine.core import verify_inputs
-    from service.runner import ModelRunner
+    from service.engine.runner import ModelRunner
 
     runner = ModelRunner(Path(model) / "openvino_model.xml", EngineConfig(kv_cache_gb=1.0))
     curve: dict[str, Any] = {}

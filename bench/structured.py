@@ -19,6 +19,7 @@ from statistics import mean, median
 from typing import Any
 
 from bench import workers
+from service.engine import GenerationRequest
 
 HERE = Path(__file__).resolve().parent
 MIN_ITEMS = 40
@@ -59,7 +60,12 @@ async def batch(engine: Any, ids: list[list[int]], max_new: int, constrained: bo
     fmt = ResponseFormat.json_schema(json.dumps(SCHEMA)) if constrained else None
 
     async def one(prompt: list[int]) -> int:
-        return sum([len(out.token_ids) async for out in engine.generate(prompt, params, response_format=fmt)])
+        return sum(
+            [
+                len(out.token_ids)
+                async for out in engine.generate(GenerationRequest(prompt, params, response_format=fmt))
+            ]
+        )
 
     start = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in ids))

@@ -34,6 +34,7 @@ from pathlib import Path
 from statistics import median
 
 from bench import grpc_load, run, workers
+from service.engine import GenerationRequest
 
 # knob: (A, B), EngineConfig fields over the bench's budget (the engine's defaults, 2 threads); where the
 # question is "change the default?", A is the default.
@@ -73,7 +74,7 @@ async def arrivals(engine, prompts: list[list[int]], rate: float, n: int, max_ne
     async def one(ids: list[int], delay: float) -> grpc_load.Sample:
         await asyncio.sleep(delay)
         sample = grpc_load.Sample(time.perf_counter())  # the gRPC load generator's bookkeeping, in-process
-        async for out in engine.generate(ids, params):
+        async for out in engine.generate(GenerationRequest(ids, params)):
             sample.chunks.append((time.perf_counter(), len(out.token_ids)))
         return sample
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from service.core.config import EngineConfig
 from service.core.stats import EngineStats
+from service.engine import GenerationRequest
 
 if TYPE_CHECKING:
     from service.engine import Engine
@@ -50,7 +51,7 @@ def peer_threads(config: EngineConfig) -> int:
     """Inference threads for a peer: the budget's, or, when it leaves them open, what our engine would take."""
     if config.threads is not None:
         return config.threads
-    from service.runner import available_cpus
+    from service.engine.runner import available_cpus
 
     return available_cpus()
 
@@ -89,7 +90,7 @@ async def ours_batch(
     async def one(ids: list[int]) -> int:
         n = 0
         t0 = time.perf_counter()
-        async for out in engine.generate(ids, params):
+        async for out in engine.generate(GenerationRequest(ids, params)):
             if n == 0 and out.token_ids:
                 ttfts.append(time.perf_counter() - t0)
             n += len(out.token_ids)
@@ -299,7 +300,7 @@ async def _ours_collect(engine, ids: list[int], n: int) -> list[int]:
     from service.core.params import SamplingParams
 
     toks: list[int] = []
-    async for out in engine.generate(ids, SamplingParams(max_new_tokens=n, ignore_eos=True)):
+    async for out in engine.generate(GenerationRequest(ids, SamplingParams(max_new_tokens=n, ignore_eos=True))):
         toks.extend(out.token_ids)
     return toks
 
@@ -310,7 +311,7 @@ async def _ours_ttft(engine, ids: list[int]) -> tuple[float, int | None]:
     t0 = time.perf_counter()
     ttft = None
     usage = None
-    async for out in engine.generate(ids, SamplingParams(max_new_tokens=1, ignore_eos=True)):
+    async for out in engine.generate(GenerationRequest(ids, SamplingParams(max_new_tokens=1, ignore_eos=True))):
         if ttft is None and out.token_ids:
             ttft = time.perf_counter() - t0
         if out.usage is not None:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from convert.contract import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
 from convert.errors import ConvertError, check_chat_template
 from convert.vocab import ir_vocab_rows, tokenizer_problems
+from service.engine.model_files import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
 
 log = logging.getLogger("convert")
 

@@ -30,7 +30,11 @@ import grpc
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.api.ovserve.v1 import ovserve_pb2_grpc as pb_grpc
-from service.wire import SAMPLING_FIELDS as OPTIONS
+
+# GenerateRequest's proto3 `optional` scalar fields that map one to one onto sampling options (the server's
+# wire module reads the same descriptor); unset ones keep the server's defaults.
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")
+OPTIONS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.has_presence and f.name not in _NOT_OPTIONS)
 
 
 def build_request(

@@ -1,4 +1,12 @@
-"""Domain errors raised by the engine and mapped to gRPC status codes in one table (service/server)."""
+"""Domain errors raised by the engine and the fronts; each front maps them to its status codes in one table
+(service/rpc/status.py, service/http/errors.py) through status_lookup."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+S = TypeVar("S")
 
 # A client's error message at most (both fronts): messages may quote what the client sent
 MAX_MESSAGE_CHARS = 1000
@@ -37,3 +45,11 @@ class DeadlineExceeded(ServiceError):
 
 class EngineFailure(ServiceError):
     """An unexpected error while stepping the model failed this request; the engine keeps serving."""
+
+
+def status_lookup(exc: BaseException, table: Mapping[type[Exception], S], default: S) -> S:
+    """The status of exc's nearest class in table (a subclass takes its base's), else default."""
+    for kind in type(exc).__mro__:
+        if kind in table:
+            return table[kind]
+    return default

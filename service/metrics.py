@@ -154,6 +154,15 @@ class Metrics:
         if output is not None and output.timings is not None:
             self.queue.observe(output.timings.queue)
 
+    def observe_call(
+        self, protocol: str, rpc: str, code: str | int, seconds: float, output: RequestOutput | None = None
+    ) -> None:
+        """A finished call of either front: gRPC codes are names, HTTP statuses numbers."""
+        if protocol == "grpc":
+            self.observe_rpc(rpc, str(code), seconds, output)
+        else:
+            self.observe_http(rpc, int(code), seconds, output)
+
     def serve(self, port: int, host: str) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         server = type("MetricsServer", (MetricsServer,), {"address_family": family})

@@ -10,9 +10,9 @@ import pytest
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
 from service.core.step_shape import StepShape
-from service.engine import Engine, EngineConfig
+from service.engine import Engine, EngineConfig, GenerationRequest
+from service.engine.runner import ModelRunner, StepInput
 from service.errors import InvalidArgument
-from service.runner import ModelRunner, StepInput
 from tests.reference import StatefulReference
 
 NEW = 12
@@ -50,7 +50,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 async def collect(engine: Engine, prompt, params=GREEDY, delay: float = 0.0, **kw):
     await asyncio.sleep(delay)
     tokens, text, last = [], "", None
-    async for out in engine.generate(prompt, params, **kw):
+    async for out in engine.generate(GenerationRequest(prompt, params, **kw)):
         tokens += out.token_ids
         text += out.text
         last = out
@@ -195,7 +195,9 @@ def test_stop_string_truncates_text(engine):
 
 def test_abort_mid_stream_frees_blocks(engine):
     async def main():
-        stream = engine.generate(prompts(1, seed=8)[0], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        stream = engine.generate(
+            GenerationRequest(prompts(1, seed=8)[0], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        )
         async for _ in stream:
             break
         await stream.aclose()
@@ -206,7 +208,7 @@ def test_abort_mid_stream_frees_blocks(engine):
 
 def test_bad_inputs_raise_invalid_argument(engine):
     async def first(prompt, params=GREEDY):
-        async for _ in engine.generate(prompt, params):
+        async for _ in engine.generate(GenerationRequest(prompt, params)):
             break
 
     with pytest.raises(InvalidArgument, match="prompt"):
@@ -389,7 +391,7 @@ def test_a_u8_cache_keeps_a_tokens_key_whatever_is_written_after_it_in_its_block
 
 async def _all_logprobs(engine: Engine, prompt, params):
     out = []
-    async for chunk in engine.generate(prompt, params):
+    async for chunk in engine.generate(GenerationRequest(prompt, params)):
         out += chunk.logprobs
     return out
 

@@ -11,8 +11,8 @@ import service.core.sampler as sampler
 import service.engine.core as engine_core
 from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig
+from service.engine.runner import StepInput
 from service.errors import EngineFailure
-from service.runner import StepInput
 from tests.test_engine import assert_no_blocks_held, collect, run
 
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)

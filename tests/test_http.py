@@ -307,7 +307,7 @@ def test_metrics_and_logs_say_http(sdk, model, server, caplog):
         return registry.get_sample_value("ovserve_http_requests_total", labels) or 0.0
 
     before = count("chat.completions", "200"), count("chat.completions", "400")
-    with caplog.at_level(logging.INFO, logger="service.http"):
+    with caplog.at_level(logging.INFO, logger="service.call"):
         chat(sdk, model, max_tokens=2, extra_headers={"X-Request-Id": "logged-1", "X-Session-Id": "chat-7"})
         with pytest.raises(openai.BadRequestError):
             chat(sdk, model, temperature=-1)

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from service.client import Client
 from service.core.kv_cache import chain_digest, root_digest
 from service.core.params import SamplingParams
-from service.engine import Engine, EngineConfig
+from service.engine import Engine, EngineConfig, GenerationRequest
 from service.metrics import Metrics
 from tests.test_engine import assert_no_blocks_held
 from tests.test_server import TIMEOUT, start_process
@@ -49,7 +49,7 @@ def make_engine(model, disk_dir, precision="f16", **kw) -> Engine:
 
 async def generate(engine: Engine, prompt, params=GREEDY, **kw):
     out, last = [], None
-    async for chunk in engine.generate(prompt, params, **kw):
+    async for chunk in engine.generate(GenerationRequest(prompt, params, **kw)):
         out += chunk.token_ids
         last = chunk
     return out, last.usage

@@ -60,7 +60,7 @@ def test_bad_session_id_is_invalid_argument(two_servers, metadata, why):
 
 def test_session_id_is_logged(two_servers, caplog):
     session = new_session_id()
-    with caplog.at_level(logging.INFO, logger="service.server"), Client(two_servers[0].target) as c:
+    with caplog.at_level(logging.INFO, logger="service.call"), Client(two_servers[0].target) as c:
         list(c.stream(prompt="hi", max_new_tokens=2, session_id=session, timeout=TIMEOUT))
         c.generate(prompt="hi", max_new_tokens=2, session_id=session, timeout=TIMEOUT)
     assert [getattr(r, "session_id", None) for r in caplog.records if r.getMessage() == "request done"] == [session] * 2

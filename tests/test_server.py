@@ -22,7 +22,7 @@ from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.client import Client, build_request
 from service.config import ServerConfig
 from service.engine import EngineConfig
-from service.server import Server
+from service.process import Server
 from tests.conftest import ROOT
 
 TIMEOUT = 60
@@ -50,7 +50,7 @@ class Running:
 
     @property
     def engine(self):
-        return self.server.state.engine
+        return self.server.engine
 
     drained = False
 

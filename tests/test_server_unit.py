@@ -20,8 +20,10 @@ from service.core.params import SamplingParams
 from service.engine import ModelInfo
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, Unavailable
 from service.metrics import Metrics, TokenClock
-from service.server import Server, authorized, start_server, status_details, status_of
-from service.wire import prompt_input, sampling_params, stream_response, tokenize_ids, unary_response
+from service.process import Server, start_server
+from service.rpc.front import authorized
+from service.rpc.status import status_details, status_of
+from service.rpc.wire import generation_request, sampling_params, stream_response, tokenize_ids, unary_response
 from tests.conftest import ROOT
 
 TIMEOUT = 30
@@ -91,6 +93,11 @@ class FakeTokenizer:
             if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise InvalidArgument(f"messages[{i}].role", f"unknown role {m['role']!r}")
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def prompt_input(tokenizer, request):
+    asked = generation_request(tokenizer, request, "id", None)
+    return list(asked.prompt_token_ids), asked.prompt_field
 
 
 def test_inputs():
@@ -193,7 +200,7 @@ def test_authorized():
 
 def test_a_tls_key_that_is_not_the_certificates_is_named_at_start(tmp_path):
     # gRPC only said "Failed to bind to address" (the cause in a C-core log line before it)
-    from service.server import check_key_pair
+    from service.rpc.front import check_key_pair
     from tests.test_server import self_signed_cert
 
     (tmp_path / "a").mkdir()
@@ -260,7 +267,7 @@ def test_a_server_that_cannot_start_says_why_and_frees_its_ports(caplog):
     # a taken metrics port failed after gRPC had started and the HTTP port was bound: both stayed taken
     import socket
 
-    from service.__main__ import serve
+    from service.process import run as serve
     from tests.test_server import free_port
 
     taken = socket.create_server(("127.0.0.1", 0))
@@ -311,9 +318,11 @@ def test_the_metrics_port_cuts_off_idle_clients_and_caps_their_threads(monkeypat
 
 # -- logs ------------------------------------------------------------------------------------------------
 def test_text_log_lines_cannot_be_forged():
-    from service.__main__ import TextFormatter
+    from service.logs import TextFormatter
 
-    record = logging.LogRecord("service.server", logging.INFO, __file__, 1, "refused: %s", ("a\nFAKE\r\u2028x",), None)
+    record = logging.LogRecord(
+        "service.rpc.front", logging.INFO, __file__, 1, "refused: %s", ("a\nFAKE\r\u2028x",), None
+    )
     record.request_id = "id\n2026-12-03 00:00:00,000 INFO forged"
     line = TextFormatter().format(record)
     assert "\n" not in line and "\r" not in line and "\u2028" not in line
@@ -414,9 +423,8 @@ class FakeEngine:
 
         return EngineStats(num_running=len(self.live), num_total_blocks=4, num_free_blocks=4 - len(self.live))
 
-    async def generate(
-        self, ids, params, request_id=None, timeout=None, prompt_field="prompt_token_ids", cache_salt="", **structure
-    ):
+    async def generate(self, asked):
+        ids, params, request_id = asked.prompt_token_ids, asked.params, asked.request_id
         if ids[0] == 99:
             raise ZeroDivisionError("a bug")
         params.validate(INFO.max_new_tokens_limit, INFO.vocab_size)
@@ -561,7 +569,7 @@ def test_openai_requests_take_the_models_sampling_defaults_then_openais():
 
 
 def test_model_files_read_sampling_defaults(tmp_path):
-    from service.model_files import ModelFiles
+    from service.engine.model_files import ModelFiles
 
     (tmp_path / "openvino_model.xml").write_text("")
     config = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True, "min_p": None, "eos_token_id": 2}
@@ -573,7 +581,7 @@ def test_model_files_read_sampling_defaults(tmp_path):
     ("field", "value"), [("temperature", -1), ("top_p", 0), ("top_k", 2.5), ("repetition_penalty", 50)]
 )
 def test_model_files_refuse_out_of_range_sampling_defaults_naming_the_file(tmp_path, field, value):
-    from service.model_files import ModelFiles
+    from service.engine.model_files import ModelFiles
 
     (tmp_path / "openvino_model.xml").write_text("")
     (tmp_path / "generation_config.json").write_text(json.dumps({field: value}))

@@ -12,7 +12,6 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from service import wire
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.client import Client, build_request
 from service.config import parse_args
@@ -39,10 +38,11 @@ from service.core.speculative import (
     choose_drafts,
 )
 from service.core.step_times import DraftCosts, StepTimes
-from service.engine import Engine
+from service.engine import Engine, GenerationRequest
 from service.engine.core import step_inputs
+from service.engine.runner import ModelRunner, StepInput
 from service.errors import InvalidArgument
-from service.runner import ModelRunner, StepInput
+from service.rpc import wire
 from tests.test_server import TIMEOUT, Running, base_config, free_port
 
 IDS = itertools.count()
@@ -296,7 +296,7 @@ def outputs(model, prompts, max_new, params=None, proposer=None, **config) -> tu
 
     async def one(prompt, p):
         tokens = []
-        async for out in engine.generate(prompt, p):
+        async for out in engine.generate(GenerationRequest(prompt, p)):
             if out.usage is not None:
                 accepted.append(out.usage.accepted_draft_tokens)
             if p.logprobs:
@@ -510,7 +510,7 @@ def test_speculation_at_auto_precision_gives_plain_decodings_logprobs_while_prom
 
         async def one(prompt, p):
             tokens = []
-            async for out in engine.generate(prompt, p):
+            async for out in engine.generate(GenerationRequest(prompt, p)):
                 tokens += [(t, lp.logprob) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
             return tokens
 
@@ -518,7 +518,7 @@ def test_speculation_at_auto_precision_gives_plain_decodings_logprobs_while_prom
             tasks = [asyncio.create_task(one(p, params)) for p in decoders]
             for p in arriving:
                 await asyncio.sleep(0.005)
-                async for _ in engine.generate(p, SamplingParams(max_new_tokens=1)):
+                async for _ in engine.generate(GenerationRequest(p, SamplingParams(max_new_tokens=1))):
                     pass
             assert not any(t.done() for t in tasks)  # every prompt was computed while they decoded
             return await asyncio.gather(*tasks)
@@ -602,7 +602,7 @@ def test_a_stop_string_inside_a_kept_run_ends_the_reply_where_plain_decoding_end
 
     async def run(params: SamplingParams):
         tokens, logprobs, pieces, last = [], [], [], None
-        async for out in engine.generate(TEXT, params):
+        async for out in engine.generate(GenerationRequest(TEXT, params)):
             tokens += out.token_ids
             logprobs += [(lp.token_id, round(lp.logprob, 3)) for lp in out.logprobs]
             pieces.append(out.text)

@@ -6,7 +6,7 @@ import pytest
 from service.core.config import EngineConfig
 from service.core.step_shape import MAX_PAD_SEQUENCES, MAX_PAD_TOKENS, ShapeKeeper, StepShape
 from service.core.step_times import StepTimes
-from service.runner import ModelRunner, StepInput
+from service.engine.runner import ModelRunner, StepInput
 
 
 def test_a_step_pads_only_with_sequences_to_hold_the_tokens():

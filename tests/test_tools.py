@@ -8,8 +8,8 @@ import pytest
 
 from service.core.grammar import GrammarCompiler
 from service.core.tools import Mode, ReplyParser, Tool, ToolChoice, Tools
+from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
-from service.tokenizer import Tokenizer
 from tests.conftest import ROOT
 
 TEMPLATE = ROOT / "templates/qwen3-instruct-2507.jinja"

@@ -35,9 +35,9 @@ from service.core.step_shape import ShapeKeeper, StepShape
 from service.core.step_times import StepTimes
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
+from service.engine.model_files import ModelFiles
+from service.engine.runner import LARGE_STEP_TOKENS, ModelRunner, StepInput
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
-from service.model_files import ModelFiles
-from service.runner import LARGE_STEP_TOKENS, ModelRunner, StepInput
 
 log = logging.getLogger(__name__)
 

@@ -14,21 +14,22 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from service.core.config import EngineConfig
-from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
-from service.core.outputs import FinishReason, RequestOutput, Timings, Usage
-from service.core.params import SamplingParams
+from service.core.grammar import GrammarCompiler, Matcher
+from service.core.outputs import RequestOutput
 from service.core.request import Request, check_cache_salt, check_label
 from service.core.stats import EngineStats, ModelInfo
-from service.core.tools import CLOSE_TAG, OPEN_TAG, ReplyParser, Tools
+from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.core import EngineCore, EngineOutput
+from service.engine.model_files import ModelFiles
+from service.engine.protocol import GenerationRequest
+from service.engine.reply import ReplyAssembler
+from service.engine.tokenizer import Tokenizer
 from service.errors import DeadlineExceeded, InvalidArgument, QueueFull, Unavailable
-from service.model_files import ModelFiles
-from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -89,88 +90,49 @@ class Engine:
         return self.core.stats()
 
     # -- requests --------------------------------------------------------------------------------------
-    async def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        timeout: float | None = None,
-        prompt_field: str = "prompt_token_ids",
-        cache_salt: str = "",
-        response_format: ResponseFormat | None = None,
-        tools: Tools | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the outputs of one request; the last has finish_reason, usage and timings. Closing the
-        stream early aborts the request. prompt_field names the input the caller sent, for errors;
-        requests with different cache_salt never share cached KV blocks; a response_format constrains the
-        reply to its grammar (compiled off the caller's event loop: a large schema takes milliseconds).
-        With active tools (already rendered into the prompt) the reply's calls are constrained to them and
-        come back parsed, as increments in each output's tool_calls."""
-        call_ids = None
-        if tools is not None and tools.active:
+    async def generate(self, asked: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the outputs of one request (see GenerationRequest); the last has finish_reason, usage and
+        timings. Closing the stream early aborts the request. A response_format's grammar is compiled off the
+        caller's event loop (a large schema takes milliseconds). With active tools the reply's calls come back
+        parsed, as increments in each output's tool_calls."""
+        response_format, call_ids = asked.response_format, None
+        if asked.tools is not None and asked.tools.active:
             if response_format is not None:
                 raise InvalidArgument("response_format", "cannot be combined with tools")
             call_ids = self.tool_call_ids()
-            response_format = tools.response_format(*call_ids)
+            response_format = asked.tools.response_format(*call_ids)
         matcher = None
         if response_format is not None:
             matcher = await asyncio.to_thread(self.grammars.matcher, response_format)
-        request = self._make_request(prompt_token_ids, params, request_id, timeout, prompt_field, cache_salt, matcher)
+        request = self._make_request(asked, matcher)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.id] = stream
-        finished = False
+        reply = ReplyAssembler(
+            request.label,
+            request.num_prompt_tokens,
+            request.arrival_time,
+            asked.params,
+            self.tokenizer.decode,
+            call_ids,
+        )
+        ended = False  # the engine is done with the request: finished, failed or told to stop
         try:
             if not self.core.alive:  # checked after registering: a death from now on reaches this stream
                 raise Unavailable("the engine has stopped")
             self.core.submit(request)
-            parser = ReplyParser(self.tokenizer.decode, call_ids, params.stop, params.include_stop_str_in_output)
-            num_tokens = num_drafts = 0
-            first_token_time = None
-            while not finished:
+            while not ended:
                 out = coalesce(await stream.outputs.get(), stream.outputs)
                 if out.error is not None:
-                    finished = True
+                    ended = True
                     raise out.error
-                increment = parser.add(out.token_ids)
-                text, calls = increment.text, increment.calls
-                # a stop string ends the reply at the token that completed it: the tokens after it (the rest of
-                # a verify step's run, or of outputs that piled up) are not the reply's, as they would not have
-                # been generated one token at a time
-                token_ids = out.token_ids[: increment.num_tokens]
-                logprobs = out.logprobs[: increment.num_tokens]
-                num_tokens += len(token_ids)
-                num_drafts += sum(out.drafted[: increment.num_tokens])
-                if token_ids and first_token_time is None:
-                    first_token_time = time.monotonic()
-                finish = out.finish_reason
-                if parser.stopped and finish is None:
-                    finish = FinishReason.STOP
-                    self.core.abort(request.id)
-                usage = timings = None
-                if finish is not None:
-                    finished = True
-                    rest, more = parser.finish()
-                    text, calls = text + rest, calls + more
-                    # a stop string ends the reply with STOP, also where the engine ended it in the same output
-                    # (at a limit past it) or where it turned up in text held back to the end
-                    if parser.stopped:
-                        finish = FinishReason.STOP
-                    if finish is FinishReason.STOP and parser.num_calls:
-                        finish = FinishReason.TOOL_CALLS
-                    usage = Usage(
-                        request.num_prompt_tokens,
-                        num_tokens,
-                        out.num_cached_tokens,
-                        out.num_restored_tokens,
-                        num_drafts,
-                    )
-                    timings = _timings(request.arrival_time, out.queue_seconds, first_token_time)
-                yield RequestOutput(
-                    request.label, tuple(token_ids), text, tuple(logprobs), finish, usage, timings, tuple(calls)
-                )
+                output = reply.add(out)
+                if reply.stopped_by_text:
+                    self.core.abort(request.id)  # the engine would go on past the stop string
+                ended = reply.finished
+                yield output
         finally:
             del self._streams[request.id]
-            if not finished:
+            if not ended:
                 self.core.abort(request.id)
 
     def tool_call_ids(self) -> tuple[int, int]:
@@ -182,17 +144,10 @@ class Engine:
             )
         return ids[0], ids[1]
 
-    def _make_request(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        label: str | None,
-        timeout: float | None,
-        prompt_field: str,
-        cache_salt: str,
-        matcher: Matcher | None = None,
-    ) -> Request:
+    def _make_request(self, asked: GenerationRequest, matcher: Matcher | None) -> Request:
         """Validate everything a caller sent; the request is the engine thread's once submitted."""
+        prompt, params, label, timeout = asked.prompt_token_ids, asked.params, asked.request_id, asked.timeout
+        prompt_field, cache_salt = asked.prompt_field, asked.cache_salt
         if label is not None:
             check_label(label)
         check_cache_salt(cache_salt)
@@ -280,9 +235,3 @@ def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> EngineO
             drafted=out.drafted + later.drafted,
         )
     return out
-
-
-def _timings(arrival: float, queue_seconds: float, first_token: float | None) -> Timings:
-    now = time.monotonic()
-    first = first_token or now
-    return Timings(queue=queue_seconds, ttft=first - arrival, decode=now - first, total=now - arrival)

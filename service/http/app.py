@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from importlib import resources
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,23 +24,22 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
-from service.auth import bearer_matches
 from service.config import ServerConfig, hosts, origins
 from service.core import json_input
 from service.core.outputs import RequestOutput
-from service.core.request import SESSION_KEY, check_label, session_key
+from service.core.request import SESSION_KEY, session_key
 from service.core.stats import ModelInfo
-from service.engine import Engine
+from service.engine import EngineClient, GenerationRequest
+from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
 from service.http import openai, sse
 from service.http.errors import CrossOrigin, NotFound, TooLarge, Unauthenticated, error_body, status_of
 from service.http.host_check import HostCheck, is_loopback
 from service.metrics import Metrics, TokenClock
-from service.request_log import request_record
-from service.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from service.server import ServerState
+from service.serving.auth import bearer_matches
+from service.serving.call import Call
+from service.serving.prompt import encode
+from service.serving.state import Serving
 
 log = logging.getLogger("service.http")
 
@@ -71,57 +69,22 @@ class ClientGone(Exception):
 
 
 # -- one request's bookkeeping -----------------------------------------------------------------------------
-class Exchange:
-    """One API request: its counter, its log line (never prompt or reply text), its response headers."""
+def refuse(call: Call, exc: Exception) -> Response:
+    """The response that refuses a call, counted and logged once."""
+    if isinstance(exc, ClientGone):
+        call.finish(CLIENT_GONE)
+        return Response(status_code=CLIENT_GONE)  # nobody reads it
+    status = status_of(exc).code
+    call.finish(status, exc, failed=status == 500)
+    headers = id_header(call) | ({"WWW-Authenticate": "Bearer"} if status == 401 else {})
+    return JSONResponse(error_body(exc), status, headers)
 
-    def __init__(self, metrics: Metrics, endpoint: str) -> None:
-        self.metrics, self.endpoint = metrics, endpoint
-        self.started = time.monotonic()
-        self.request_id: str | None = None  # set once validated: only then may it reach the log
-        self.session_id: str | None = None  # likewise
-        self.output: RequestOutput | None = None  # the last one, once finished
-        self.error: Exception | None = None  # what ended a stream already under way
-        self.finished = False
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {REQUEST_ID_HEADER: self.request_id} if self.request_id else {}
-
-    def refuse(self, exc: Exception) -> Response:
-        if isinstance(exc, ClientGone):
-            self.finish(CLIENT_GONE)
-            return Response(status_code=CLIENT_GONE)  # nobody reads it
-        status = status_of(exc).code
-        self.finish(status, exc)
-        headers = self.headers | ({"WWW-Authenticate": "Bearer"} if status == 401 else {})
-        return JSONResponse(error_body(exc), status, headers)
-
-    def finish(self, status: int, exc: BaseException | None = None) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        seconds = time.monotonic() - self.started
-        self.metrics.observe_http(self.endpoint, status, seconds, self.output)
-        if self.request_id is None and exc is None:
-            return  # health probes, model lists: nothing worth a line
-        extra = request_record("http", self.endpoint, status, seconds, self.request_id, self.session_id, self.output)
-        if status == 500:
-            log.error("request failed", extra=extra, exc_info=exc)
-        elif exc is not None:
-            log.info("request refused: %s", str(exc)[:MAX_SHOWN_CHARS], extra=extra)
-        else:
-            log.info("request done", extra=extra)
+def id_header(call: Call) -> dict[str, str]:
+    return {REQUEST_ID_HEADER: call.request_id} if call.request_id else {}
 
 
 # -- reading a request -------------------------------------------------------------------------------------
-def request_label(headers: Mapping[str, str]) -> str:
-    """The client's X-Request-Id, checked like gRPC's request_id before it is echoed or logged; else a new one."""
-    given = headers.get(REQUEST_ID_HEADER)
-    if given is None:
-        return uuid.uuid4().hex
-    return check_label(given, REQUEST_ID_HEADER)
-
-
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object, read no further than limit bytes."""
     declared = request.headers.get("content-length", "")
@@ -153,15 +116,13 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
         raise CrossOrigin(f"a page of another origin ({shown}) cannot call this API from a browser")
 
 
-def prompt_ids(tokenizer: Tokenizer, call: openai.Call) -> tuple[list[int], str]:
-    """The call's input as token ids, and the field it came from (for errors)."""
-    if call.messages is not None:
-        return tokenizer.encode_chat(call.messages, call.shown_tools), "messages"
-    if isinstance(call.prompt, str):
-        if not call.prompt:
-            raise InvalidArgument("prompt", "must not be empty")
-        return tokenizer.encode(call.prompt), "prompt"
-    return list(call.prompt or ()), "prompt"
+def prompt_ids(tokenizer: Tokenizer, parsed: openai.ApiRequest) -> tuple[list[int], str]:
+    """The request's input as token ids, and the field it came from (for errors)."""
+    if parsed.messages is not None:
+        return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools), "messages"
+    if isinstance(parsed.prompt, str):
+        return encode(tokenizer, "prompt", text=parsed.prompt), "prompt"
+    return encode(tokenizer, "prompt", token_ids=parsed.prompt), "prompt"
 
 
 def check_model(name: str | None, info: ModelInfo) -> None:
@@ -228,12 +189,14 @@ class EventStream(StreamingResponse):
 
 
 # -- the API -----------------------------------------------------------------------------------------------
-Parse = Callable[[Mapping[str, Any], ModelInfo], openai.Call]
+Parse = Callable[[Mapping[str, Any], ModelInfo], openai.ApiRequest]
 
 
 class Api:
-    def __init__(self, state: ServerState, token: str | None, max_body_bytes: int, allowed_origins: str = "") -> None:
-        self.state, self.max_body_bytes = state, max_body_bytes
+    def __init__(
+        self, serving: Serving, metrics: Metrics, token: str | None, max_body_bytes: int, allowed_origins: str = ""
+    ) -> None:
+        self.serving, self.metrics, self.max_body_bytes = serving, metrics, max_body_bytes
         self.allowed_origins = origins(allowed_origins)
         self.token = token.encode() if token else None
         self.created = int(time.time())
@@ -253,62 +216,48 @@ class Api:
         return await self.generate(request, "completions", openai.parse_completion)
 
     async def generate(self, request: Request, endpoint: str, parse: Parse) -> Response:
-        ex = Exchange(self.state.metrics, endpoint)
+        call = Call(self.serving, self.metrics, "http", endpoint, generation=True)
         try:
-            engine, call, ids, field = await self.prepare(request, ex, parse)
+            engine, parsed, asked = await self.prepare(request, call, parse)
         except Exception as exc:
-            return ex.refuse(exc)
-        label = ex.request_id or ""
-        stream = engine.generate(
-            ids,
-            call.params,
-            label,
-            prompt_field=field,
-            cache_salt=call.cache_salt,
-            response_format=call.response_format,
-            tools=call.tools,
-        )
-        reply = openai.Reply(call, engine.info.model_id, label, token_text(engine.tokenizer))
-        clock = TokenClock(self.state.metrics, ex.started)
-        self.state.num_in_flight += 1
-
-        async def done() -> None:  # exactly once, however the request ends
-            await stream.aclose()
-            self.state.num_in_flight -= 1
-
+            return refuse(call, exc)
+        stream = engine.generate(asked)
+        reply = openai.Reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
+        clock = TokenClock(self.metrics, call.started)
         try:
-            outputs = await until_disconnected(request, collect(stream, clock, everything=not call.stream))
+            outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))
         except BaseException as exc:
-            await done()
+            await stream.aclose()  # type: ignore[attr-defined]
             if not isinstance(exc, Exception):
-                ex.finish(CLIENT_GONE)  # cancelled: the server is stopping
+                call.finish(CLIENT_GONE)  # cancelled: the server is stopping
                 raise
-            return ex.refuse(call.renamed(exc) if isinstance(exc, InvalidArgument) else exc)
-        if call.stream:
-            return EventStream(
-                self.events(ex, reply, outputs[0], stream, clock), self.stream_done(ex, done), ex.headers
-            )
-        await done()
-        ex.output = outputs[-1]
-        ex.finish(200)
-        return JSONResponse(reply.response(outputs), headers=ex.headers)
+            return refuse(call, parsed.renamed(exc) if isinstance(exc, InvalidArgument) else exc)
+        if parsed.stream:
+            events = self.events(call, reply, outputs[0], stream, clock)
+            return EventStream(events, self.stream_done(call, stream), id_header(call))
+        await stream.aclose()  # type: ignore[attr-defined]
+        call.output = outputs[-1]
+        call.finish(200)
+        return JSONResponse(reply.response(outputs), headers=id_header(call))
 
-    async def prepare(self, request: Request, ex: Exchange, parse: Parse) -> tuple[Engine, openai.Call, list[int], str]:
+    async def prepare(
+        self, request: Request, call: Call, parse: Parse
+    ) -> tuple[EngineClient, openai.ApiRequest, GenerationRequest]:
         """Everything checked before the engine sees the request; the token before the body is read."""
         refuse_other_origins(request, self.allowed_origins)
         self.authorize(request)
-        ex.request_id = request_label(request.headers)
-        ex.session_id = session_key(request.headers.getlist(SESSION_KEY))
+        call.label(request.headers.get(REQUEST_ID_HEADER), REQUEST_ID_HEADER)
+        call.session_id = session_key(request.headers.getlist(SESSION_KEY))
         body = await read_json(request, self.max_body_bytes)
-        engine = self.state.require_engine()
-        call = parse(body, engine.info)
-        check_model(call.model, engine.info)
-        ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, call)  # a long prompt takes seconds
-        return engine, call, ids, field
+        engine = self.serving.require_engine()
+        parsed = parse(body, engine.info)
+        check_model(parsed.model, engine.info)
+        ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)  # a long prompt takes seconds
+        return engine, parsed, parsed.generation_request(ids, field, call.request_id)
 
     async def events(
         self,
-        ex: Exchange,
+        call: Call,
         reply: openai.Reply,
         out: RequestOutput,
         stream: AsyncIterator[RequestOutput],
@@ -321,36 +270,37 @@ class Api:
                 for chunk in reply.chunks(out):
                     yield sse.event(chunk)
                 if out.finished:
-                    ex.output = out
+                    call.output = out
                     break
                 out = await anext(stream)
                 clock.tick(out)
         except Exception as exc:  # the status line is sent: the error goes in the stream, as OpenAI's do
-            ex.error = exc
+            call.error = exc
             yield sse.event(error_body(exc))
         yield sse.DONE
 
-    def stream_done(self, ex: Exchange, done: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
-        async def finish() -> None:
-            await done()
-            if ex.error is not None:
-                ex.finish(status_of(ex.error).code, ex.error)
+    def stream_done(self, call: Call, stream: AsyncIterator[RequestOutput]) -> Callable[[], Awaitable[None]]:
+        async def finish() -> None:  # exactly once, however the stream ends
+            await stream.aclose()  # type: ignore[attr-defined]
+            if call.error is not None:
+                code = status_of(call.error).code
+                call.finish(code, call.error, failed=code == 500)
             else:
-                ex.finish(200 if ex.output is not None else CLIENT_GONE)
+                call.finish(200 if call.output is not None else CLIENT_GONE)
 
         return finish
 
     # -- models, health ----------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
-        ex = Exchange(self.state.metrics, "models")
+        call = Call(self.serving, self.metrics, "http", "models")
         try:
             self.authorize(request)
-            info = self.state.require_engine().info
+            info = self.serving.require_engine().info
             if "model" in request.path_params:
                 check_model(request.path_params["model"], info)
         except Exception as exc:
-            return ex.refuse(exc)
-        ex.finish(200)
+            return refuse(call, exc)
+        call.finish(200)
         model = openai.model_object(info, self.created)
         return JSONResponse(model if "model" in request.path_params else {"object": "list", "data": [model]})
 
@@ -360,7 +310,7 @@ class Api:
     async def ready(self, request: Request) -> Response:
         """503 while the model loads, while draining and once the engine stopped: take this replica out."""
         try:
-            self.state.require_engine()
+            self.serving.require_engine()
         except Exception as exc:
             return JSONResponse(error_body(exc), status_of(exc).code)
         return JSONResponse({"status": "ready"})
@@ -377,9 +327,11 @@ class Api:
         return JSONResponse(body, status)
 
 
-def build_app(state: ServerState, token: str | None, config: ServerConfig, bound_address: str) -> Starlette:
+def build_app(
+    serving: Serving, metrics: Metrics, token: str | None, config: ServerConfig, bound_address: str
+) -> Starlette:
     """bound_address: the address the HTTP socket listens on (a name in --host may resolve to loopback)."""
-    api = Api(state, token, config.max_message_bytes, config.allowed_origins)
+    api = Api(serving, metrics, token, config.max_message_bytes, config.allowed_origins)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -396,7 +348,7 @@ def build_app(state: ServerState, token: str | None, config: ServerConfig, bound
         HostCheck,
         allowed=hosts(config.allowed_hosts),
         bound_to_loopback=is_loopback(bound_address),
-        count=lambda: state.metrics.observe_http("any", 403, 0.0),
+        count=lambda: metrics.observe_http("any", 403, 0.0),
     )
     middleware = [host_check]
     return Starlette(routes=routes, exception_handlers={HTTPException: api.no_route}, middleware=middleware)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, ServiceError, Unavailable
+from service.errors import (
+    DeadlineExceeded,
+    EngineFailure,
+    InvalidArgument,
+    QueueFull,
+    ServiceError,
+    Unavailable,
+    status_lookup,
+)
 
 
 class Unauthenticated(ServiceError):
@@ -55,10 +63,7 @@ STATUS_OF: dict[type[Exception], Status] = {
 
 
 def status_of(exc: BaseException) -> Status:
-    for kind in type(exc).__mro__:
-        if kind in STATUS_OF:
-            return STATUS_OF[kind]
-    return INTERNAL
+    return status_lookup(exc, STATUS_OF, INTERNAL)
 
 
 def error_body(exc: BaseException) -> dict[str, object]:

@@ -2,7 +2,7 @@
 
 Only the wire's shape is checked here (which fields exist, their JSON types); every range of a sampling
 value is SamplingParams.validate's and the prompt's limits are the engine's, shared with gRPC. Errors name
-the field as the client sent it: `Call.names` maps the domain's field names back to the request's."""
+the field as the client sent it: `ApiRequest.names` maps the domain's field names back to the request's."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, Tool
 from service.core.params import SamplingParams
 from service.core.stats import ModelInfo
 from service.core.tools import Mode, Tool, ToolChoice, Tools, joined_calls, template_call
+from service.engine import GenerationRequest
 from service.errors import InvalidArgument
 
 INT64 = 1 << 63
@@ -82,7 +83,7 @@ CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
 @dataclass(frozen=True)
-class Call:
+class ApiRequest:
     """One parsed request. Exactly one of messages and prompt is set."""
 
     chat: bool
@@ -98,10 +99,17 @@ class Call:
     response_format: ResponseFormat | None = None
     tools: Tools | None = None
 
-    @property
-    def shown_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template shows them to the model; None when the reply calls none."""
-        return [t.rendered() for t in self.tools.tools] if self.tools is not None and self.tools.active else None
+    def generation_request(self, ids: list[int], field: str, label: str | None) -> GenerationRequest:
+        """What the engine is asked, with the input encoded (serving.prompt) and the request's id."""
+        return GenerationRequest(
+            ids,
+            self.params,
+            label,
+            prompt_field=field,
+            cache_salt=self.cache_salt,
+            response_format=self.response_format,
+            tools=self.tools,
+        )
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
         """The engine's error about one of our fields, naming the field as this request called it."""
@@ -113,7 +121,7 @@ class Call:
 
 
 # -- request -> domain -------------------------------------------------------------------------------------
-def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> Call:
+def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> ApiRequest:
     fields = _present(body, CHAT_FIELDS)
     names = {"max_new_tokens": "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"}
     logprobs = _bool(fields, "logprobs") or False
@@ -137,7 +145,7 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> Call:
     return replace(call, tools=tools(fields))
 
 
-def parse_completion(body: Mapping[str, Any], info: ModelInfo) -> Call:
+def parse_completion(body: Mapping[str, Any], info: ModelInfo) -> ApiRequest:
     fields = _present(body, COMPLETION_FIELDS)
     return _call(
         fields,
@@ -177,7 +185,7 @@ def _call(
     names: dict[str, str],
     messages: list[dict[str, str]] | None = None,
     prompt: str | list[int] | None = None,
-) -> Call:
+) -> ApiRequest:
     stream = _bool(fields, "stream") or False
     options = fields.get("stream_options")
     if options is not None and not stream:
@@ -218,7 +226,7 @@ def _call(
     )
     salt = _str(fields, "cache_salt") or ""
     structure = response_format(fields)
-    return Call(
+    return ApiRequest(
         chat,
         params,
         _str(fields, "model"),
@@ -498,7 +506,7 @@ class Reply:
     """Builds the response objects of one call: whole (non-streaming) or as stream chunks.
     token_text turns a token id into its text, for logprobs."""
 
-    def __init__(self, call: Call, model: str, request_id: str, token_text: Callable[[int], str]) -> None:
+    def __init__(self, call: ApiRequest, model: str, request_id: str, token_text: Callable[[int], str]) -> None:
         self.call, self.model, self.token_text = call, model, token_text
         self.id = ("chatcmpl-" if call.chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())

@@ -1,5 +1,5 @@
-"""uvicorn serving the HTTP app on the event loop that already runs the gRPC server: one process, one engine,
-no thread between the two fronts."""
+"""uvicorn serving the HTTP app on the process's event loop, beside the gRPC front: one process, one engine, no
+thread between the two fronts."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import uvicorn
 
 from service.config import ServerConfig
 from service.http.app import build_app
-
-if TYPE_CHECKING:
-    from service.server import ServerState
+from service.metrics import Metrics
+from service.serving.state import Serving
 
 SHUTDOWN_SECONDS = 1  # after the drain's grace: what is still streaming is cancelled after this
 
@@ -33,16 +31,16 @@ def bind(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
-class HttpServer:
-    """The OpenAI-compatible API and the playground on --http-port, with the gRPC server's state (engine,
-    draining, in-flight count, metrics), bearer token, TLS certificate and body limit."""
+class HttpFront:
+    """The OpenAI-compatible API and the playground on --http-port, over the process's serving state and
+    metrics, with its bearer token, TLS certificate and body limit. Bound at construction."""
 
-    def __init__(self, config: ServerConfig, state: ServerState, token: str | None) -> None:
+    def __init__(self, config: ServerConfig, serving: Serving, metrics: Metrics, token: str | None) -> None:
         self.socket = bind(config.host, config.http_port)
         self.port: int = self.socket.getsockname()[1]
         self.scheme = "https" if config.tls_cert else "http"
         self.url = f"{self.scheme}://{config.host}:{self.port}/"
-        app = build_app(state, token, config, self.socket.getsockname()[0])
+        app = build_app(serving, metrics, token, config, self.socket.getsockname()[0])
         self.server = _Uvicorn(
             uvicorn.Config(
                 app,

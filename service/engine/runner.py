@@ -17,9 +17,9 @@ import openvino as ov
 import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
-from convert.contract import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
 from service.core.config import EngineConfig
 from service.core.step_shape import MAX_PAD_SEQUENCES, MAX_PAD_TOKENS, StepShape
+from service.engine.model_files import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class ModelRunner:
         self.shape_changed = self.last_shapes.get(copy) != shape
         self.last_shapes[copy] = shape
         request.infer(inputs, share_inputs=True)
-        logits = request.get_output_tensor(0).data
+        logits: np.ndarray = request.get_output_tensor(0).data
         return logits[:num_rows, -1, :]
 
     @property
@@ -299,7 +299,7 @@ class ModelRunner:
         count: SmolLM2 int8 on this AMX host gave a decoding row beside 1 or 3 others other logits, by up to 0.5,
         than beside 4 or more). Not on the single_token copy (--fast-single-stream), which runs one-token steps
         without quantizing activations (copy_for)."""
-        return self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+        return bool(self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32)
 
     @property
     def lone_rows_apart(self) -> bool:

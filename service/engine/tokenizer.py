@@ -12,8 +12,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from service.engine.model_files import read_json
 from service.errors import InvalidArgument
-from service.model_files import read_json
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -48,7 +48,8 @@ class Tokenizer:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
 
     @property
     def renders_tools(self) -> bool:

@@ -1,7 +1,7 @@
 """Translation between the wire format (ovserve.v1 protobuf) and the domain types, in both directions.
 
-The servicers in service/server.py call these and nothing else touches protobuf messages; the engine
-never sees them. The client (service/client.py) reads SAMPLING_FIELDS from here too."""
+The servicers in service/rpc/front.py call these and nothing else touches protobuf messages; the engine
+never sees them."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogp
 from service.core.params import SamplingParams
 from service.core.stats import ModelInfo
 from service.core.tools import Mode, Tool, ToolChoice, Tools, joined_calls, template_call
+from service.engine import GenerationRequest
+from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
-from service.tokenizer import Tokenizer
+from service.serving.prompt import encode, the_one_input
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
@@ -132,13 +134,6 @@ def chat_messages(messages: Iterable[pb.ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def encode_chat(tokenizer: Tokenizer, messages: Sequence[pb.ChatMessage], tools: Tools | None = None) -> list[int]:
-    if not messages:
-        raise InvalidArgument("messages", "must contain at least one message")
-    shown = [t.rendered() for t in tools.tools] if tools is not None and tools.active else None
-    return tokenizer.encode_chat(chat_messages(messages), shown)
-
-
 def response_format(request: pb.GenerateRequest) -> ResponseFormat | None:
     if not request.HasField("response_format"):
         return None
@@ -175,54 +170,48 @@ def tools(request: pb.GenerateRequest | pb.TokenizeRequest) -> Tools | None:
     return Tools(tuple(tools), choice)
 
 
-def refuse_tools_without_messages(calls: Tools | None) -> None:
-    if calls is not None and calls.active:
-        raise InvalidArgument("tools", "need messages as the input: the chat template shows them to the model")
-
-
-def encode_text(tokenizer: Tokenizer, text: str, field: str) -> list[int]:
-    if not text:
-        raise InvalidArgument(field, "must not be empty")
-    return tokenizer.encode(text)
-
-
-def prompt_input(tokenizer: Tokenizer, request: pb.GenerateRequest) -> tuple[list[int], str]:
-    """The request's one input as token ids, and the name of the field it came from (for errors).
-    Ranges of the ids and the prompt length are the engine's checks."""
-    given = [
-        name
-        for name, present in (
-            ("messages", len(request.messages) > 0),
-            ("prompt", request.HasField("prompt")),
-            ("prompt_token_ids", len(request.prompt_token_ids) > 0),
-        )
-        if present
-    ]
-    if len(given) > 1:
-        raise InvalidArgument("input", f"set exactly one of messages, prompt or prompt_token_ids, got {given}")
-    if not given:
-        raise InvalidArgument(
-            "input", "set exactly one of messages, prompt or prompt_token_ids (messages and ids must be non-empty)"
-        )
+def generation_request(
+    tokenizer: Tokenizer, request: pb.GenerateRequest, label: str, timeout: float | None
+) -> GenerationRequest:
+    """What the engine is asked: the request's one input as token ids, its sampling, format and tools.
+    Ranges are the engine's checks."""
+    field = the_one_input(
+        {
+            "messages": len(request.messages) > 0,
+            "prompt": request.HasField("prompt"),
+            "prompt_token_ids": len(request.prompt_token_ids) > 0,
+        }
+    )
     calls = tools(request)
-    if given[0] == "messages":
-        return encode_chat(tokenizer, request.messages, calls), "messages"
-    refuse_tools_without_messages(calls)
-    if given[0] == "prompt":
-        return encode_text(tokenizer, request.prompt, "prompt"), "prompt"
-    return list(request.prompt_token_ids), "prompt_token_ids"
+    ids = encode(
+        tokenizer,
+        field,
+        messages=chat_messages(request.messages) if field == "messages" else None,
+        text=request.prompt if field == "prompt" else None,
+        token_ids=request.prompt_token_ids if field == "prompt_token_ids" else None,
+        tools=calls,
+    )
+    return GenerationRequest(
+        ids,
+        sampling_params(request),
+        label,
+        timeout,
+        prompt_field=field,
+        cache_salt=request.cache_salt,
+        response_format=response_format(request),
+        tools=calls,
+    )
 
 
 def tokenize_ids(tokenizer: Tokenizer, request: pb.TokenizeRequest) -> list[int]:
-    if request.HasField("text") and request.messages:
-        raise InvalidArgument("input", "set text or messages, not both")
-    calls = tools(request)
-    if request.messages:
-        return encode_chat(tokenizer, request.messages, calls)
-    refuse_tools_without_messages(calls)
-    if request.HasField("text"):
-        return encode_text(tokenizer, request.text, "text")
-    raise InvalidArgument("input", "set text or messages")
+    field = the_one_input({"text": request.HasField("text"), "messages": len(request.messages) > 0})
+    return encode(
+        tokenizer,
+        field,
+        messages=chat_messages(request.messages) if field == "messages" else None,
+        text=request.text if field == "text" else None,
+        tools=tools(request),
+    )
 
 
 # -- domain -> proto ---------------------------------------------------------------------------------------

@@ -12,6 +12,20 @@ from typing import Any
 from service.core.params import SamplingParams
 from service.errors import InvalidArgument
 
+# The paged-attention model's contract: its inputs after `paged_attention_transformation(model, False, False)`,
+# besides one key_cache.N / value_cache.N pair per decoder layer (KV_CACHE_PREFIXES). The converter checks a
+# converted model against these (convert/verify.py); the runner feeds them.
+PAGED_ATTENTION_INPUTS = (
+    "input_ids",
+    "position_ids",
+    "max_context_len",
+    "past_lens",
+    "subsequence_begins",
+    "block_indices_begins",
+    "block_indices",
+)
+KV_CACHE_PREFIXES = ("key_cache.", "value_cache.")
+
 IR_FILE = "openvino_model.xml"
 
 

@@ -1,0 +1,158 @@
+"""The composition root: one process owns the metrics, the serving state, the engine's life (load, death,
+drain order) and both fronts. Only this module imports both fronts; the fronts import neither each other nor
+this module.
+
+Answers at once (health NOT_SERVING, generation UNAVAILABLE) while the model loads and warms up, then SERVING.
+On SIGTERM or SIGINT: NOT_SERVING, new requests UNAVAILABLE (HTTP 503), in-flight requests get
+--drain-grace-seconds to finish, then exit 0. If the engine thread dies: NOT_SERVING at once, every request
+UNAVAILABLE, exit 1 (so that a supervisor such as Kubernetes restarts the process)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from service.config import ServerConfig
+from service.engine import Engine, EngineClient
+from service.http.front import HttpFront
+from service.metrics import Metrics
+from service.rpc.front import GrpcFront
+from service.serving.state import Serving
+
+log = logging.getLogger("service.process")
+
+
+class Server:
+    """Both fronts around one engine. Construction binds every port (a taken port fails here); start() answers
+    at once; attach() or load() make it serve; drain() takes it down gracefully."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine_failed = asyncio.Event()  # set when the engine thread died: the process must exit non-zero
+        self.metrics = Metrics()
+        self.serving = Serving()
+        token = Path(config.auth_token_file).read_text().strip() if config.auth_token_file else None
+        self.grpc = GrpcFront(config, self.serving, self.metrics, token)
+        self.port = self.grpc.port
+        self.http = HttpFront(config, self.serving, self.metrics, token) if config.http_port else None
+
+    @property
+    def engine(self) -> EngineClient | None:
+        return self.serving.engine
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        if self.config.metrics_port:
+            self.metrics.serve(self.config.metrics_port, self.config.host)
+        log.info("listening on %s:%d%s", self.config.host, self.port, " (TLS)" if self.config.tls_cert else "")
+        if self.http is not None:
+            await self.http.start()
+            log.info("HTTP API (OpenAI-compatible) at %sv1, playground at %s", self.http.url, self.http.url)
+
+    async def attach(self, engine: EngineClient, started: bool = False) -> None:
+        """Start (warm up) the engine off the event loop unless it already is, then serve."""
+        loop = asyncio.get_running_loop()
+
+        def died() -> None:  # on the engine thread
+            loop.call_soon_threadsafe(self._engine_died)
+
+        engine.on_death(died)
+        if not started:
+            await asyncio.to_thread(engine.start)
+        self.metrics.attach(engine)
+        if not engine.alive:
+            raise RuntimeError("the engine stopped while starting")
+        self.serving.attach(engine)
+        info = engine.info
+        log.info(
+            "serving %s: context %d tokens, %d threads, %d KV blocks of %d tokens",
+            info.model_id,
+            info.max_model_len,
+            info.num_threads,
+            info.num_kv_blocks,
+            info.block_size,
+        )
+
+    def _engine_died(self) -> None:
+        """On the loop: tell health watchers (readiness already reads the dead engine) and run() to exit."""
+        log.critical("the engine stopped; reporting NOT_SERVING")
+        self.engine_failed.set()
+        self.serving.changed()
+
+    async def load(self) -> None:
+        """Load the model named by the config (blocking work in a thread), then attach it."""
+        engine = await asyncio.to_thread(Engine, self.config.model, self.config.engine)
+        await self.attach(engine)
+
+    async def drain(self, grace_seconds: float | None = None) -> None:
+        """Refuse new requests (UNAVAILABLE), report NOT_SERVING, let in-flight requests of both fronts finish
+        within the grace period (default: the configured one), then stop the fronts and the engine."""
+        serving = self.serving
+        serving.drain()
+        await self.grpc.refuse_new()
+        grace = self.config.drain_grace_seconds if grace_seconds is None else grace_seconds
+        deadline = time.monotonic() + grace
+        while serving.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if serving.num_in_flight:
+            log.warning("drain grace period over; cancelling %d requests", serving.num_in_flight)
+        if self.http is not None:
+            await self.http.stop()
+        await self.grpc.stop(grace=1.0)
+        self.metrics.stop()
+        if serving.engine is not None:
+            await asyncio.to_thread(serving.engine.shutdown)
+        log.info("stopped")
+
+
+async def start_server(engine: EngineClient, config: ServerConfig, started: bool = False) -> tuple[Server, int]:
+    """An in-process server around an engine, serving when this returns. Use port=0 for a free port."""
+    server = Server(config)
+    await server.start()
+    await server.attach(engine, started)
+    return server, server.port
+
+
+async def run(config: ServerConfig) -> int:
+    """Serve until a signal (exit 0) or the engine's death (exit 1); the process's exit code."""
+    try:
+        server = Server(config)
+    except (ValueError, OSError) as exc:  # a port is taken, the TLS files do not fit, the token file is empty
+        log.error("cannot start: %s", exc)
+        return 1
+    try:
+        await server.start()  # binds the metrics port, starts the HTTP server (its TLS context)
+    except (ValueError, OSError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
+        await server.drain(grace_seconds=0)  # what did start stops, and its ports are freed
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    load = asyncio.create_task(server.load())
+    stopping = asyncio.create_task(stop.wait())
+    failed = asyncio.create_task(server.engine_failed.wait())
+    await asyncio.wait({load, stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is not None:
+        log.error("cannot load the model from %s", config.model, exc_info=load.exception())
+        await server.drain()
+        return 1
+    await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if failed.done():
+        log.critical("the engine stopped unexpectedly; exiting with status 1")
+        await server.drain(grace_seconds=0)  # nothing in flight can finish
+        logging.shutdown()
+        return 1
+    log.info("signal received: draining for up to %.0f s", config.drain_grace_seconds)
+    loading = not load.done()
+    await server.drain()
+    if loading:
+        log.info("stopped while loading the model")
+        logging.shutdown()
+        os._exit(0)  # the loading thread cannot be interrupted; nothing else is left to finish
+    return 0

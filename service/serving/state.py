@@ -1,0 +1,53 @@
+"""The process's serving state, decided in one place for both fronts: loading (no engine) -> serving ->
+draining, or stopped once the engine thread died. gRPC health and HTTP /ready both read `ready`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from service.engine import EngineClient
+from service.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class Serving:
+    def __init__(self) -> None:
+        self.engine: EngineClient | None = None
+        self.draining = False
+        self.num_in_flight = 0  # generation requests being answered, both fronts (drain waits for them)
+        self._listeners: list[Callable[[bool], None]] = []
+
+    def require_engine(self) -> EngineClient:
+        """The engine, or Unavailable saying why there is none to serve a request."""
+        if self.draining:
+            raise Unavailable("the server is draining; retry on another replica")
+        if self.engine is None:
+            raise Unavailable("the model is still loading; retry shortly")
+        if not self.engine.alive:
+            raise Unavailable("the engine has stopped; retry on another replica")
+        return self.engine
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and self.engine is not None and self.engine.alive
+
+    def on_change(self, listener: Callable[[bool], None]) -> None:
+        """Call listener(ready) on the event loop whenever readiness may have changed (pushed health watches)."""
+        self._listeners.append(listener)
+
+    def attach(self, engine: EngineClient) -> None:
+        """The engine is started and serves from now on."""
+        self.engine = engine
+        self.changed()
+
+    def drain(self) -> None:
+        """Refuse new requests from now on."""
+        self.draining = True
+        self.changed()
+
+    def changed(self) -> None:
+        ready = self.ready
+        for listener in self._listeners:
+            listener(ready)
