@@ -43,9 +43,11 @@ test: $(STAMP) system-packages
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
+# Style, then the import layers declared in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/lint-imports --no-cache
 
 # mypy as configured in pyproject.toml: strict on service/core and service/engine.
 typecheck: $(STAMP)
