@@ -556,7 +556,7 @@ def test_fake_engine_lifecycle_errors_and_auth(loop, tmp_path):
 def test_openai_requests_take_the_models_sampling_defaults_then_openais():
     from dataclasses import replace
 
-    from service.http.openai import parse_chat
+    from service.http.openai_in import parse_chat
 
     body = {"messages": [{"role": "user", "content": "hi"}]}
     qwen = replace(INFO, sampling_defaults=(("temperature", 0.7), ("top_p", 0.8), ("top_k", 20.0)))

@@ -1,7 +1,7 @@
 """The HTTP front's routes (Starlette): the OpenAI API, liveness and readiness, and the playground.
 
-Like the gRPC servicers, the handlers only translate (service/http/openai.py), call Engine.generate and
-map errors through one table (service/http/errors.py); the engine validates. A request's body is read and
+Like the gRPC servicers, the handlers only translate (openai_in.py, openai_out.py), call the engine and map
+errors through one table (errors.py); the engine validates. A request's body is read and
 checked before anything reaches the engine, and nothing is sent before the engine's first output, so every
 refusal (a range, a full queue, a draining server) gets its own status code. A client that disconnects
 aborts its request: closing the engine's stream frees its KV blocks within a step."""
@@ -32,7 +32,7 @@ from service.core.stats import ModelInfo
 from service.engine import EngineClient, GenerationRequest
 from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
-from service.http import openai, sse
+from service.http import openai_in, openai_out, sse
 from service.http.errors import CrossOrigin, NotFound, TooLarge, Unauthenticated, error_body, status_of
 from service.http.host_check import HostCheck, is_loopback
 from service.metrics import Metrics, TokenClock
@@ -116,7 +116,7 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
         raise CrossOrigin(f"a page of another origin ({shown}) cannot call this API from a browser")
 
 
-def prompt_ids(tokenizer: Tokenizer, parsed: openai.ApiRequest) -> tuple[list[int], str]:
+def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
     """The request's input as token ids, and the field it came from (for errors)."""
     if parsed.messages is not None:
         return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools), "messages"
@@ -189,7 +189,7 @@ class EventStream(StreamingResponse):
 
 
 # -- the API -----------------------------------------------------------------------------------------------
-Parse = Callable[[Mapping[str, Any], ModelInfo], openai.ApiRequest]
+Parse = Callable[[Mapping[str, Any], ModelInfo], openai_in.ApiRequest]
 
 
 class Api:
@@ -210,10 +210,10 @@ class Api:
 
     # -- generation --------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        return await self.generate(request, "chat.completions", openai.parse_chat)
+        return await self.generate(request, "chat.completions", openai_in.parse_chat)
 
     async def completions(self, request: Request) -> Response:
-        return await self.generate(request, "completions", openai.parse_completion)
+        return await self.generate(request, "completions", openai_in.parse_completion)
 
     async def generate(self, request: Request, endpoint: str, parse: Parse) -> Response:
         call = Call(self.serving, self.metrics, "http", endpoint, generation=True)
@@ -222,7 +222,7 @@ class Api:
         except Exception as exc:
             return refuse(call, exc)
         stream = engine.generate(asked)
-        reply = openai.Reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
+        reply = openai_out.Reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
         clock = TokenClock(self.metrics, call.started)
         try:
             outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))
@@ -242,7 +242,7 @@ class Api:
 
     async def prepare(
         self, request: Request, call: Call, parse: Parse
-    ) -> tuple[EngineClient, openai.ApiRequest, GenerationRequest]:
+    ) -> tuple[EngineClient, openai_in.ApiRequest, GenerationRequest]:
         """Everything checked before the engine sees the request; the token before the body is read."""
         refuse_other_origins(request, self.allowed_origins)
         self.authorize(request)
@@ -258,7 +258,7 @@ class Api:
     async def events(
         self,
         call: Call,
-        reply: openai.Reply,
+        reply: openai_out.Reply,
         out: RequestOutput,
         stream: AsyncIterator[RequestOutput],
         clock: TokenClock,
@@ -301,7 +301,7 @@ class Api:
         except Exception as exc:
             return refuse(call, exc)
         call.finish(200)
-        model = openai.model_object(info, self.created)
+        model = openai_out.model_object(info, self.created)
         return JSONResponse(model if "model" in request.path_params else {"object": "list", "data": [model]})
 
     async def live(self, request: Request) -> Response:
