@@ -52,6 +52,22 @@ def check_label(label: str | bytes, field: str = "request_id") -> str:
     return label
 
 
+def check_prompt(prompt: Sequence[int], field: str, max_model_len: int, vocab_size: int) -> None:
+    """InvalidArgument naming field (the input the client sent) unless the prompt has 1 to max_model_len - 1
+    token ids (one position is left for the first generated token), each in [0, vocab_size)."""
+    if not prompt:
+        raise InvalidArgument(field, "must not be empty")
+    if len(prompt) >= max_model_len:
+        raise InvalidArgument(
+            field,
+            f"the prompt has {len(prompt)} tokens; the context holds {max_model_len} "
+            f"(at most {max_model_len - 1} prompt tokens)",
+        )
+    bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"{field}[{bad}]", f"token id {prompt[bad]} is outside the vocabulary [0, {vocab_size})")
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     LOADING = "loading"  # admitted; its cached prefix is being restored from disk

@@ -21,7 +21,7 @@ from pathlib import Path
 from service.core.config import EngineConfig
 from service.core.grammar import GrammarCompiler, Matcher
 from service.core.outputs import RequestOutput
-from service.core.request import Request, check_cache_salt, check_label
+from service.core.request import Request, check_cache_salt, check_label, check_prompt
 from service.core.stats import EngineStats, ModelInfo
 from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.core import EngineCore, EngineOutput
@@ -153,21 +153,8 @@ class Engine:
         check_cache_salt(cache_salt)
         if not self._accepting:
             raise Unavailable("the engine is not serving (loading, stopped or draining)")
-        if not prompt:
-            raise InvalidArgument(prompt_field, "must not be empty")
-        limit = self.info.max_model_len
-        if len(prompt) >= limit:
-            raise InvalidArgument(
-                prompt_field,
-                f"the prompt has {len(prompt)} tokens; the context holds {limit} (at most {limit - 1} prompt tokens)",
-            )
-        vocab = self.info.vocab_size
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument(
-                f"{prompt_field}[{bad}]", f"token id {prompt[bad]} is outside the vocabulary [0, {vocab})"
-            )
-        params.validate(self.info.max_new_tokens_limit, vocab)
+        check_prompt(prompt, prompt_field, self.info.max_model_len, self.info.vocab_size)
+        params.validate(self.info.max_new_tokens_limit, self.info.vocab_size)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("the deadline passed before the request was queued")
         limit = self.config.max_num_seqs + self.config.max_queue
