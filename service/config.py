@@ -27,6 +27,20 @@ class ServerConfig:
     max_concurrent_streams: int = setting(256, "concurrent RPCs per client connection (HTTP/2 streams)")
     max_message_bytes: int = setting(4 << 20, "largest request or response message (an HTTP body too)")
     drain_grace_seconds: float = setting(30.0, "on SIGTERM, time given to in-flight requests before they are cancelled")
+    http_head_timeout_seconds: float = setting(
+        10.0,
+        "HTTP: a connection that has not sent a whole request head this long after opening (or after its "
+        "first byte following an idle keep-alive) is closed",
+    )
+    http_body_timeout_seconds: float = setting(
+        30.0, "HTTP: a request whose body has not all arrived this long after its head is closed"
+    )
+    keep_alive_timeout_seconds: float = setting(
+        15.0, "an idle connection (HTTP keep-alive, or a gRPC connection with no call) is closed after this long"
+    )
+    http_max_connections: int = setting(
+        1000, "HTTP: open connections at most; connections beyond it are closed as they arrive"
+    )
     log_format: str = setting("text", "log lines as text or one JSON object per line", ("text", "json"))
     auth_token_file: str | None = setting(
         None, "require `authorization: Bearer <token>` (the file's content) on all but health checks"
@@ -133,11 +147,14 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     for name in ("port", "metrics_port", "http_port"):
         if not 0 <= args[name] <= 65535:
             p.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
-    for name in ("max_concurrent_streams", "max_message_bytes"):
+    for name in ("max_concurrent_streams", "max_message_bytes", "http_max_connections"):
         if args[name] < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args["drain_grace_seconds"] < 0:
         p.error("--drain-grace-seconds must be >= 0")
+    for name in ("http_head_timeout_seconds", "http_body_timeout_seconds", "keep_alive_timeout_seconds"):
+        if not args[name] > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
     try:
         origins(args["allowed_origins"])
     except ValueError as exc:

@@ -102,6 +102,12 @@ class Metrics:
             ["endpoint", "status"],
             registry=r,
         )
+        self.dropped_connections = Counter(
+            "ovserve_http_dropped_connections",
+            "HTTP connections closed for a limit: head_timeout, body_timeout or connection_limit",
+            ["reason"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "ovserve_time_to_first_token_seconds",
             "Request start to first token (gRPC and HTTP)",
@@ -153,6 +159,9 @@ class Metrics:
             self.e2e.observe(seconds)
         if output is not None and output.timings is not None:
             self.queue.observe(output.timings.queue)
+
+    def observe_dropped_connection(self, reason: str) -> None:
+        self.dropped_connections.labels(reason).inc()
 
     def observe_call(
         self, protocol: str, rpc: str, code: str | int, seconds: float, output: RequestOutput | None = None

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -91,11 +91,14 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"the body has {declared} bytes; the limit is {limit} (--max-message-bytes)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"the body is larger than the limit of {limit} bytes (--max-message-bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"the body is larger than the limit of {limit} bytes (--max-message-bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone while sending its body (or closed for the body deadline): not our failure
+        raise ClientGone from None
     return await asyncio.to_thread(json_input.parse_object, b"".join(chunks), "")  # its checks walk a large body
 
 

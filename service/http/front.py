@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 from collections.abc import Iterator
 
@@ -12,6 +13,7 @@ import uvicorn
 
 from service.config import ServerConfig
 from service.http.app import build_app
+from service.http.connections import Limits, with_limits
 from service.metrics import Metrics
 from service.serving.state import Serving
 
@@ -41,14 +43,17 @@ class HttpFront:
         self.scheme = "https" if config.tls_cert else "http"
         self.url = f"{self.scheme}://{config.host}:{self.port}/"
         app = build_app(serving, metrics, token, config, self.socket.getsockname()[0])
+        limits = Limits(config.http_head_timeout_seconds, config.http_body_timeout_seconds, config.http_max_connections)
         self.server = _Uvicorn(
             uvicorn.Config(
                 app,
-                http="h11",
+                http=with_limits(limits, metrics.observe_dropped_connection),
+                timeout_keep_alive=math.ceil(config.keep_alive_timeout_seconds),
                 ws="none",
                 lifespan="off",
                 log_config=None,
-                log_level="warning",
+                # uvicorn's own warnings are about what clients send (a malformed request): not worth a line each
+                log_level="error",
                 access_log=False,
                 server_header=False,
                 ssl_certfile=config.tls_cert,

@@ -208,6 +208,10 @@ class GrpcFront:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_concurrent_streams", config.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
+            # a connection that has not finished its handshake in time, or that carries no call for a while, is
+            # closed: silent connections cannot pile up (the HTTP front's limits, in gRPC's terms)
+            ("grpc.server_handshake_timeout_ms", int(config.http_head_timeout_seconds * 1000)),
+            ("grpc.max_connection_idle_ms", int(config.keep_alive_timeout_seconds * 1000)),
         ]
         interceptors = [BearerAuth(token)] if token is not None else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
