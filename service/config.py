@@ -26,6 +26,12 @@ class ServerConfig:
     http_port: int = setting(8000, "OpenAI-compatible HTTP API and browser playground port; 0 disables it")
     max_concurrent_streams: int = setting(256, "concurrent RPCs per client connection (HTTP/2 streams)")
     max_message_bytes: int = setting(4 << 20, "largest request or response message (an HTTP body too)")
+    drain_delay_seconds: float = setting(
+        2.0,
+        "on SIGTERM or SIGINT, health reports NOT_SERVING at once but new requests are still served this long, "
+        "so that load balancers stop sending work before it is refused (cover their health-check interval; a "
+        "second signal skips it)",
+    )
     drain_grace_seconds: float = setting(30.0, "on SIGTERM, time given to in-flight requests before they are cancelled")
     http_head_timeout_seconds: float = setting(
         10.0,
@@ -150,8 +156,9 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     for name in ("max_concurrent_streams", "max_message_bytes", "http_max_connections"):
         if args[name] < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args["drain_grace_seconds"] < 0:
-        p.error("--drain-grace-seconds must be >= 0")
+    for name in ("drain_delay_seconds", "drain_grace_seconds"):
+        if args[name] < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
     for name in ("http_head_timeout_seconds", "http_body_timeout_seconds", "keep_alive_timeout_seconds"):
         if not args[name] > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")

@@ -10,6 +10,7 @@ UNAVAILABLE, exit 1 (so that a supervisor such as Kubernetes restarts the proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.engine_failed = asyncio.Event()  # set when the engine thread died: the process must exit non-zero
+        self.hurrying = asyncio.Event()  # set by a second signal: the drain stops waiting
         self.metrics = Metrics()
         self.serving = Serving()
         token = Path(config.auth_token_file).read_text().strip() if config.auth_token_file else None
@@ -88,25 +90,37 @@ class Server:
         engine = await asyncio.to_thread(Engine, self.config.model, self.config.engine)
         await self.attach(engine)
 
-    async def drain(self, grace_seconds: float | None = None) -> None:
-        """Refuse new requests (UNAVAILABLE), report NOT_SERVING, let in-flight requests of both fronts finish
-        within the grace period (default: the configured one), then stop the fronts and the engine."""
+    async def drain(self, grace_seconds: float | None = None, delay_seconds: float | None = None) -> None:
+        """Report NOT_SERVING at once but keep serving new requests for the delay (the load balancers stop
+        sending them meanwhile), then refuse new requests (UNAVAILABLE), let in-flight requests of both fronts
+        finish within the grace period, then stop the fronts and the engine. Defaults: the configured delay and
+        grace; hurry() cuts either short."""
         serving = self.serving
+        delay = self.config.drain_delay_seconds if delay_seconds is None else delay_seconds
+        if delay > 0 and serving.ready:
+            serving.leave()
+            log.info("not ready; still serving new requests for %.3g s while load balancers catch up", delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.hurrying.wait(), delay)
         serving.drain()
         await self.grpc.refuse_new()
         grace = self.config.drain_grace_seconds if grace_seconds is None else grace_seconds
         deadline = time.monotonic() + grace
-        while serving.num_in_flight and time.monotonic() < deadline:
+        while serving.num_in_flight and time.monotonic() < deadline and not self.hurrying.is_set():
             await asyncio.sleep(0.05)
         if serving.num_in_flight:
-            log.warning("drain grace period over; cancelling %d requests", serving.num_in_flight)
+            log.warning("drain over; cancelling %d requests", serving.num_in_flight)
         if self.http is not None:
             await self.http.stop()
-        await self.grpc.stop(grace=1.0)
+        await self.grpc.stop(grace=0 if self.hurrying.is_set() else 1.0)
         self.metrics.stop()
         if serving.engine is not None:
             await asyncio.to_thread(serving.engine.shutdown)
         log.info("stopped")
+
+    def hurry(self) -> None:
+        """Cut the drain's delay and grace short (a second signal)."""
+        self.hurrying.set()
 
 
 async def start_server(engine: EngineClient, config: ServerConfig, started: bool = False) -> tuple[Server, int]:
@@ -128,27 +142,38 @@ async def run(config: ServerConfig) -> int:
         await server.start()  # binds the metrics port, starts the HTTP server (its TLS context)
     except (ValueError, OSError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
-        await server.drain(grace_seconds=0)  # what did start stops, and its ports are freed
+        await server.drain(grace_seconds=0, delay_seconds=0)  # what did start stops, and its ports are freed
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:  # the first signal drains; a second one hurries the drain along
+        if stop.is_set():
+            log.info("second signal: stopping now")
+            server.hurry()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     load = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop.wait())
     failed = asyncio.create_task(server.engine_failed.wait())
     await asyncio.wait({load, stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
         log.error("cannot load the model from %s", config.model, exc_info=load.exception())
-        await server.drain()
+        await server.drain(delay_seconds=0)
         return 1
     await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     if failed.done():
         log.critical("the engine stopped unexpectedly; exiting with status 1")
-        await server.drain(grace_seconds=0)  # nothing in flight can finish
+        await server.drain(grace_seconds=0, delay_seconds=0)  # nothing in flight can finish
         logging.shutdown()
         return 1
-    log.info("signal received: draining for up to %.0f s", config.drain_grace_seconds)
+    log.info(
+        "signal received: draining (%.3g s still serving, then up to %.3g s for requests in flight)",
+        config.drain_delay_seconds,
+        config.drain_grace_seconds,
+    )
     loading = not load.done()
     await server.drain()
     if loading:

@@ -1,5 +1,6 @@
 """The process's serving state, decided in one place for both fronts: loading (no engine) -> serving ->
-draining, or stopped once the engine thread died. gRPC health and HTTP /ready both read `ready`."""
+leaving (not ready, so that load balancers stop sending work, but still accepting it) -> draining (refusing new
+requests), or stopped once the engine thread died. gRPC health and HTTP /ready both read `ready`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ log = logging.getLogger(__name__)
 class Serving:
     def __init__(self) -> None:
         self.engine: EngineClient | None = None
+        self.leaving = False  # not ready any more, still accepting: the load balancers are catching up
         self.draining = False
         self.num_in_flight = 0  # generation requests being answered, both fronts (drain waits for them)
         self._listeners: list[Callable[[bool], None]] = []
@@ -31,7 +33,7 @@ class Serving:
 
     @property
     def ready(self) -> bool:
-        return not self.draining and self.engine is not None and self.engine.alive
+        return not (self.leaving or self.draining) and self.engine is not None and self.engine.alive
 
     def on_change(self, listener: Callable[[bool], None]) -> None:
         """Call listener(ready) on the event loop whenever readiness may have changed (pushed health watches)."""
@@ -42,9 +44,14 @@ class Serving:
         self.engine = engine
         self.changed()
 
+    def leave(self) -> None:
+        """Not ready from now on (health checks fail), while new requests are still served."""
+        self.leaving = True
+        self.changed()
+
     def drain(self) -> None:
         """Refuse new requests from now on."""
-        self.draining = True
+        self.leaving = self.draining = True
         self.changed()
 
     def changed(self) -> None:
