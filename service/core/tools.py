@@ -93,6 +93,14 @@ class Tools:
     def parallel(self) -> bool:
         return self.choice.parallel and self.choice.mode is not Mode.NAMED
 
+    def schemas(self) -> list[ResponseFormat]:
+        """Each tool's call as a JSON schema, named by the tool's parameters: checked one by one, a schema that
+        does not compile is reported at its own tool rather than as the whole reply's grammar."""
+        return [
+            ResponseFormat.json_schema(json.dumps(_call_schema(t)), f"tools[{i}].parameters")
+            for i, t in enumerate(self.tools)
+        ]
+
     def response_format(self, open_id: int, close_id: int) -> ResponseFormat:
         """The grammar of a reply with these tools (Lark, with each call's JSON as a schema)."""
         calls = [t for t in self.tools if self.choice.mode is not Mode.NAMED or t.name == self.choice.function]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from service.core.config import EngineConfig
-from service.core.grammar import GrammarCompiler, Matcher
+from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
 from service.core.outputs import RequestOutput
 from service.core.request import Request, check_cache_salt, check_label, check_prompt
 from service.core.stats import EngineStats, ModelInfo
@@ -101,9 +101,10 @@ class Engine:
                 raise InvalidArgument("response_format", "cannot be combined with tools")
             call_ids = self.tool_call_ids()
             response_format = asked.tools.response_format(*call_ids)
+        checked_first = asked.tools.schemas() if call_ids is not None and asked.tools is not None else []
         matcher = None
         if response_format is not None:
-            matcher = await asyncio.to_thread(self.grammars.matcher, response_format)
+            matcher = await asyncio.to_thread(self._matcher, response_format, checked_first)
         request = self._make_request(asked, matcher)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.id] = stream
@@ -134,6 +135,11 @@ class Engine:
             del self._streams[request.id]
             if not ended:
                 self.core.abort(request.id)
+
+    def _matcher(self, fmt: ResponseFormat, checked_first: list[ResponseFormat]) -> Matcher:
+        for schema in checked_first:  # compiled and cached: the whole grammar reuses none of it, but errors
+            self.grammars.compile(schema)  # name the tool whose parameters are at fault
+        return self.grammars.matcher(fmt)
 
     def tool_call_ids(self) -> tuple[int, int]:
         """The tokens that open and close a tool call in the model's format (Qwen3's)."""

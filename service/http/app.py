@@ -256,7 +256,7 @@ class Api:
         parsed = parse(body, engine.info)
         check_model(parsed.model, engine.info)
         ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)  # a long prompt takes seconds
-        return engine, parsed, parsed.generation_request(ids, field, call.request_id)
+        return engine, parsed, parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len)
 
     async def events(
         self,
@@ -327,7 +327,8 @@ class Api:
         code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
         message = f"no route {request.method} {request.url.path[:MAX_SHOWN_CHARS]}"
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-        return JSONResponse(body, status)
+        headers = exc.headers if isinstance(exc, HTTPException) else None  # a 405 names the methods (Allow)
+        return JSONResponse(body, status, headers)
 
 
 def build_app(

@@ -53,7 +53,7 @@ STATUS_OF: dict[type[Exception], Status] = {
     Unauthenticated: Status(401, "authentication_error", "invalid_api_key"),
     CrossOrigin: Status(403, "permission_error", "cross_origin"),
     HostNotAllowed: Status(403, "permission_error", "host_not_allowed"),
-    NotFound: Status(404, "invalid_request_error", "not_found"),
+    NotFound: Status(404, "invalid_request_error", "model_not_found"),  # OpenAI's code: only models are looked up
     TooLarge: Status(413, "invalid_request_error", "request_too_large"),
     QueueFull: Status(429, "rate_limit_error", "queue_full"),
     Unavailable: Status(503, "service_unavailable", "unavailable"),

@@ -22,19 +22,18 @@ from service.errors import InvalidArgument
 INT64 = 1 << 63
 SEED_LIMIT = 1 << 64  # the gRPC contract's uint64
 
-# Accepted and without effect: bookkeeping for OpenAI's own platform.
-IGNORED = frozenset(
-    (
-        "user",
-        "metadata",
-        "store",
-        "service_tier",
-        "safety_identifier",
-        "prompt_cache_key",
-        "prompt_cache_retention",
-        "prompt_cache_options",
-    )
-)
+# Accepted and without effect (bookkeeping for OpenAI's own platform), checked against OpenAI's types.
+IGNORED: dict[str, type] = {
+    "user": str,
+    "metadata": dict,  # checked by _metadata
+    "store": bool,
+    "service_tier": str,
+    "safety_identifier": str,
+    "prompt_cache_key": str,
+    "prompt_cache_retention": str,
+    "prompt_cache_options": dict,
+}
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 # OpenAI fields this server does not implement: a request that sets one is refused, never half-served.
 UNSUPPORTED = {
     "functions": "the legacy functions are not supported; use tools",
@@ -72,7 +71,13 @@ CHAT_FIELDS = frozenset(
 )
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt"))
 MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
-STREAM_OPTIONS = frozenset(("include_usage",))
+# include_obfuscation pads streamed chunks against a side channel of OpenAI's own network; accepted, no effect
+STREAM_OPTIONS = frozenset(("include_usage", "include_obfuscation"))
+RESPONSE_FORMAT_FIELDS = frozenset(("type", "json_schema"))
+JSON_SCHEMA_FIELDS = frozenset(("name", "description", "schema", "strict"))
+TOOL_FIELDS = frozenset(("type", "function"))
+FUNCTION_FIELDS = frozenset(("name", "description", "parameters", "strict"))
+TOOL_CHOICE_FIELDS = frozenset(("type", "function"))
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's structured_outputs (its successor of guided_json / guided_regex / guided_choice): one of these keys
 STRUCTURED_OUTPUTS = ("json", "regex", "choice")
@@ -95,9 +100,21 @@ class ApiRequest:
     names: dict[str, str] = field(default_factory=dict)  # domain field -> the request's name for it
     response_format: ResponseFormat | None = None
     tools: Tools | None = None
+    max_tokens_given: bool = False  # the client set max_tokens (or max_completion_tokens)
 
-    def generation_request(self, ids: list[int], field: str, label: str | None) -> GenerationRequest:
-        """What the engine is asked, with the input encoded (serving.prompt) and the request's id."""
+    def generation_request(
+        self, ids: list[int], field: str, label: str | None, max_model_len: int
+    ) -> GenerationRequest:
+        """What the engine is asked, with the input encoded (serving.prompt) and the request's id. A prompt and
+        max_tokens that together exceed the context are refused, as OpenAI and vLLM refuse them; without
+        max_tokens the reply may fill the context."""
+        wanted = self.params.max_new_tokens
+        if self.max_tokens_given and len(ids) + wanted > max_model_len:
+            raise InvalidArgument(
+                self.names["max_new_tokens"],
+                f"the prompt has {len(ids)} tokens and {wanted} more are asked for; the context holds "
+                f"{max_model_len} (at most {max(max_model_len - len(ids), 0)} new tokens for this prompt)",
+            )
         return GenerationRequest(
             ids,
             self.params,
@@ -110,6 +127,7 @@ class ApiRequest:
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
         """The engine's error about one of our fields, naming the field as this request called it."""
+        exc = openai_named(exc)
         for domain, ours in self.names.items():
             if exc.field == domain or exc.field.startswith(domain + "["):
                 name = ours + exc.field[len(domain) :]
@@ -156,20 +174,41 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo) -> ApiRequest:
 
 
 def _present(body: Mapping[str, Any], known: frozenset[str], where: str = "") -> dict[str, Any]:
-    """The fields that ask for something: null, [] and {} count as absent (clients send them for defaults).
-    Unknown and unsupported fields are refused so that nothing is silently ignored."""
-    fields = {k: v for k, v in body.items() if v is not None and v != [] and v != {}}
+    """The fields that ask for something: null counts as absent (clients send it for defaults); every other
+    value must have the field's type. Unknown and unsupported fields are refused so that nothing is silently
+    ignored."""
+    fields = {k: v for k, v in body.items() if v is not None}
     for name, value in fields.items():
         param = f"{where}.{name}" if where else name
         if name in UNSUPPORTED and not HARMLESS.get(name, lambda _: False)(value):
             raise InvalidArgument(param, UNSUPPORTED[name])
-        if name not in known and name not in IGNORED and name not in UNSUPPORTED:
+        if name not in known and (where or name not in IGNORED) and name not in UNSUPPORTED:
             raise InvalidArgument(param, "unknown field")
+        if not where and name in IGNORED:
+            _ignored(name, value)
     for name in ("n", "best_of"):
         count = _int(fields, name)
         if count not in (None, 1):
             raise InvalidArgument(name, f"only 1 choice per request is supported, got {count}")
     return fields
+
+
+def _ignored(name: str, value: Any) -> None:
+    """A field accepted without effect still has OpenAI's type (a client that sends another has a bug)."""
+    kind = IGNORED[name]
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise InvalidArgument(name, f"must be {_KINDS[kind]}, got {_kind(value)}")
+    if name == "metadata" and isinstance(value, dict):
+        if len(value) > METADATA_PAIRS:
+            raise InvalidArgument(name, f"at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
+        for key, text in value.items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise InvalidArgument(name, f"keys are at most {METADATA_KEY_CHARS} characters")
+            if not isinstance(text, str) or len(text) > METADATA_VALUE_CHARS:
+                raise InvalidArgument(
+                    f"{name}.{key[:METADATA_KEY_CHARS]}",
+                    f"must be a string of at most {METADATA_VALUE_CHARS} characters",
+                )
 
 
 def _call(
@@ -191,6 +230,7 @@ def _call(
     if options is not None:
         known = _present(_object(options, "stream_options"), STREAM_OPTIONS, "stream_options")
         include_usage = bool(_bool(known, "include_usage", "stream_options"))
+        _bool(known, "include_obfuscation", "stream_options")
     top_k = _int(fields, "top_k")
     sampling: dict[str, Any] = {
         # Unset max_tokens means "until the context is full", as with OpenAI; the engine stops there.
@@ -235,13 +275,15 @@ def _call(
         salt,
         names | {"min_new_tokens": "min_tokens"},
         structure,
+        max_tokens_given=max_tokens is not None,
     )
 
 
 def messages(raw: Any) -> list[dict[str, Any]]:
     """Chat messages as the chat template takes them: text contents, and the fields of tool use."""
-    if not isinstance(raw, list):
-        raise InvalidArgument("messages", f"must be a non-empty array of messages, got {_kind(raw)}")
+    if not isinstance(raw, list) or not raw:
+        shown = "an empty array" if raw == [] else _kind(raw)
+        raise InvalidArgument("messages", f"must be a non-empty array of messages, got {shown}")
     out = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
@@ -249,7 +291,10 @@ def messages(raw: Any) -> list[dict[str, Any]]:
         role = _str(m, "role", where)
         if role is None:
             raise InvalidArgument(f"{where}.role", "is required")
-        message: dict[str, Any] = {"role": CHAT_ROLES.get(role, role), "content": _content(m.get("content"), where)}
+        # only an assistant turn that made tool calls may go without content, as OpenAI has it
+        may_be_empty = role == "assistant" and bool(m.get("tool_calls"))
+        content = _content(m.get("content"), where, may_be_empty)
+        message: dict[str, Any] = {"role": CHAT_ROLES.get(role, role), "content": content}
         for name in ("tool_call_id", "name"):
             if _str(m, name, where) is not None:
                 message[name] = m[name]
@@ -285,16 +330,24 @@ def response_format(fields: Mapping[str, Any]) -> ResponseFormat | None:
         return _structured_outputs(_object(extension, "structured_outputs"))
     if given is None:
         return None
-    kind = _object(given, "response_format").get("type")
+    _present(_object(given, "response_format"), RESPONSE_FORMAT_FIELDS, "response_format")
+    kind = given.get("type")
+    if kind is None:
+        raise InvalidArgument("response_format.type", f"is required: one of {', '.join(RESPONSE_FORMATS)}")
     if kind not in RESPONSE_FORMATS:
         raise InvalidArgument("response_format.type", f"must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
     if kind == "text":
         return None
     if kind == "json_object":
         return ResponseFormat.json_object("response_format")
-    spec = _object(given.get("json_schema"), "response_format.json_schema")
+    spec = _present(
+        _object(given.get("json_schema"), "response_format.json_schema"),
+        JSON_SCHEMA_FIELDS,
+        "response_format.json_schema",
+    )
     _str(spec, "name", "response_format.json_schema")
-    _bool(spec, "strict")  # accepted: the schema is always enforced
+    _str(spec, "description", "response_format.json_schema")
+    _bool(spec, "strict", "response_format.json_schema")  # accepted: the schema is always enforced
     where = "response_format.json_schema.schema"
     return ResponseFormat.json_schema(_schema_text(spec.get("schema"), where), where)
 
@@ -336,14 +389,17 @@ def tools(fields: Mapping[str, Any]) -> Tools | None:
     parallel = _bool(fields, "parallel_tool_calls")  # checked even where no tools make it matter
     if raw is None and choice is None:
         return None
-    if raw is not None and not isinstance(raw, list):
-        raise InvalidArgument("tools", f"must be an array of tools, got {_kind(raw)}")
+    if raw is not None and (not isinstance(raw, list) or not raw):
+        shown = "an empty array" if raw == [] else _kind(raw)
+        raise InvalidArgument("tools", f"must be a non-empty array of tools, got {shown}")
     defined = []
     for i, t in enumerate(raw or ()):
         where = f"tools[{i}]"
-        if _object(t, where).get("type") != "function":
+        _present(_object(t, where), TOOL_FIELDS, where)
+        if t.get("type") != "function":
             raise InvalidArgument(f"{where}.type", "only 'function' tools are supported")
-        function = _object(t.get("function"), f"{where}.function")
+        function = _present(_object(t.get("function"), f"{where}.function"), FUNCTION_FIELDS, f"{where}.function")
+        _bool(function, "strict", f"{where}.function")  # accepted: arguments always follow the parameters
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise InvalidArgument(f"{where}.function.parameters", "must be a JSON schema (an object)")
@@ -351,9 +407,14 @@ def tools(fields: Mapping[str, Any]) -> Tools | None:
         defined.append(Tool(name, _str(function, "description", f"{where}.function") or "", parameters))
     try:
         return Tools(tuple(defined), _tool_choice(choice, True if parallel is None else parallel))
-    except InvalidArgument as exc:  # the domain's tools[i].name is OpenAI's tools[i].function.name
-        name = re.sub(r"^(tools\[\d+\])\.", r"\1.function.", exc.field)
-        raise InvalidArgument(name, str(exc).removeprefix(exc.field + ": ")) from None
+    except InvalidArgument as exc:
+        raise openai_named(exc) from None
+
+
+def openai_named(exc: InvalidArgument) -> InvalidArgument:
+    """The domain's tools[i].name and tools[i].parameters are OpenAI's tools[i].function.name and .parameters."""
+    name = re.sub(r"^(tools\[\d+\])\.", r"\1.function.", exc.field)
+    return exc if name == exc.field else InvalidArgument(name, str(exc).removeprefix(exc.field + ": "))
 
 
 def _tool_choice(choice: Any, parallel: bool) -> ToolChoice:
@@ -363,16 +424,21 @@ def _tool_choice(choice: Any, parallel: bool) -> ToolChoice:
         if choice not in TOOL_CHOICES:
             raise InvalidArgument("tool_choice", f"must be auto, none, required or a function, got {choice!r}")
         return ToolChoice(TOOL_CHOICES[choice], parallel=parallel)
-    function = _object(_object(choice, "tool_choice").get("function"), "tool_choice.function")
+    _present(_object(choice, "tool_choice"), TOOL_CHOICE_FIELDS, "tool_choice")
+    function = _object(choice.get("function"), "tool_choice.function")
     name = _str(function, "name", "tool_choice.function")
     if choice.get("type") != "function" or name is None:
         raise InvalidArgument("tool_choice", 'must be {"type": "function", "function": {"name": ...}}')
     return ToolChoice(Mode.NAMED, name, parallel)
 
 
-def _content(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
+def _content(content: Any, where: str, may_be_empty: bool = False) -> str:
+    if content is None or content == []:
+        if may_be_empty:
+            return ""
+        raise InvalidArgument(f"{where}.content", "is required (a string or a non-empty array of text parts)")
+    if isinstance(content, str):
+        return content
     if not isinstance(content, list):
         raise InvalidArgument(f"{where}.content", f"must be a string or an array of text parts, got {_kind(content)}")
     texts = []
@@ -417,8 +483,11 @@ def _seed(fields: Mapping[str, Any]) -> int | None:
 
 
 # -- JSON types --------------------------------------------------------------------------------------------
+_KINDS = {str: "a string", bool: "true or false", dict: "an object", list: "an array"}
+
+
 def _kind(value: Any) -> str:
-    """What a client sent, for errors. A field given as null, [] or {} counts as absent (_present)."""
+    """What a client sent, for errors. A field given as null counts as absent (_present)."""
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "nothing"}.get(
         type(value), "a number"
     )
