@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
+from importlib import metadata
 
 from service.core.config import EngineConfig, setting
 
@@ -96,6 +97,41 @@ def hosts(text: str) -> set[str]:
     return allowed
 
 
+# --help lists the flags in these groups, in this order; an engine setting not named here goes under "engine".
+GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "chat_template", "max_model_len"),
+    "serving": (
+        *("host", "port", "http_port", "metrics_port", "log_format", "max_message_bytes", "max_concurrent_streams"),
+        *("http_head_timeout_seconds", "http_body_timeout_seconds", "keep_alive_timeout_seconds"),
+        *("http_max_connections", "drain_delay_seconds", "drain_grace_seconds"),
+    ),
+    "security": ("auth_token_file", "tls_cert", "tls_key", "allowed_origins", "allowed_hosts"),
+    "engine": (),
+    "cache": ("kv_cache_gb", "kv_cache_precision", "enable_prefix_caching", "kv_disk_dir", "kv_disk_gb"),
+    "speculation": ("speculation", "speculative_tokens", "prompt_lookup_max_ngram", "prompt_lookup_min_ngram"),
+}
+
+
+def group_of(name: str) -> str:
+    if name.startswith("kv_disk_"):
+        return "cache"
+    if name.startswith("speculative_") or name.startswith("prompt_lookup_"):
+        return "speculation"
+    return next((group for group, names in GROUPS.items() if name in names), "engine")
+
+
+def version_text() -> str:
+    """ovserve's version and OpenVINO's, read from the installed packages' metadata (importing OpenVINO takes a
+    while, and --version should not)."""
+    found = []
+    for name, shown in (("ovserve", "ovserve"), ("openvino", "OpenVINO")):
+        try:
+            found.append(f"{shown} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{shown} (not installed)")
+    return ", ".join(found)
+
+
 def flag_fields() -> list[Field]:
     """Every field that is a flag: the server's, then the engine's."""
     return [f for f in fields(ServerConfig) if f.name != "engine"] + list(fields(EngineConfig))
@@ -115,20 +151,27 @@ def _bool(text: str) -> bool:
 def parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m service",
+        usage="python -m service --model DIR [options]",
         description="Serve a converted model over gRPC and an OpenAI-compatible HTTP API. Every flag can also be "
         f"set in the environment as {ENV_PREFIX}<FLAG_IN_UPPER_SNAKE_CASE>, e.g. {ENV_PREFIX}KV_CACHE_GB=4; flags win.",
     )
+    p.add_argument("--version", action="version", version=version_text())
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
     for f in flag_fields():
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.name != "model" else None
         kind = str(f.type).split(" | ")[0]  # annotations are strings (from __future__ import annotations)
         text = env.get(env_name(f.name))
-        help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
+        group = groups[group_of(f.name)]
         if kind == "bool":
             if text:
                 default = _bool(text)
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            # argparse adds the default to a boolean flag's help itself
+            help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
+        shown = "" if f.name == "model" else f"default {f.default if f.default is not None else 'unset'}; "
+        help_text = f"{f.metadata['help']} ({shown}env {env_name(f.name)})".replace("%", "%%")
         convert = {"int": int, "float": float, "str": str}[kind]
         if text:
             try:
@@ -139,7 +182,7 @@ def parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             choices = f.metadata["choices"]
             if choices is not None and default not in choices:
                 p.error(f"{env_name(f.name)}={text!r} is not one of {', '.join(choices)}")
-        p.add_argument(flag, type=convert, default=default, choices=f.metadata["choices"], help=help_text)
+        group.add_argument(flag, type=convert, default=default, choices=f.metadata["choices"], help=help_text)
     return p
 
 

@@ -15,10 +15,13 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
-from service.config import ServerConfig
+from service.config import ServerConfig, env_name
 from service.engine import Engine, EngineClient
+from service.engine.model_files import ModelFiles
 from service.http.front import HttpFront
 from service.metrics import Metrics
 from service.rpc.front import GrpcFront
@@ -38,9 +41,13 @@ class Server:
         self.metrics = Metrics()
         self.serving = Serving()
         token = Path(config.auth_token_file).read_text().strip() if config.auth_token_file else None
-        self.grpc = GrpcFront(config, self.serving, self.metrics, token)
+        with port_named(config.host, config.port, "port"):
+            self.grpc = GrpcFront(config, self.serving, self.metrics, token)
         self.port = self.grpc.port
-        self.http = HttpFront(config, self.serving, self.metrics, token) if config.http_port else None
+        self.http = None
+        if config.http_port:
+            with port_named(config.host, config.http_port, "http_port"):
+                self.http = HttpFront(config, self.serving, self.metrics, token)
 
     @property
     def engine(self) -> EngineClient | None:
@@ -49,11 +56,11 @@ class Server:
     async def start(self) -> None:
         await self.grpc.start()
         if self.config.metrics_port:
-            self.metrics.serve(self.config.metrics_port, self.config.host)
+            with port_named(self.config.host, self.config.metrics_port, "metrics_port"):
+                self.metrics.serve(self.config.metrics_port, self.config.host)
         log.info("listening on %s:%d%s", self.config.host, self.port, " (TLS)" if self.config.tls_cert else "")
         if self.http is not None:
             await self.http.start()
-            log.info("HTTP API (OpenAI-compatible) at %sv1, playground at %s", self.http.url, self.http.url)
 
     async def attach(self, engine: EngineClient, started: bool = False) -> None:
         """Start (warm up) the engine off the event loop unless it already is, then serve."""
@@ -69,14 +76,21 @@ class Server:
         if not engine.alive:
             raise RuntimeError("the engine stopped while starting")
         self.serving.attach(engine)
-        info = engine.info
-        log.info(
-            "serving %s: context %d tokens, %d threads, %d KV blocks of %d tokens",
-            info.model_id,
-            info.max_model_len,
-            info.num_threads,
-            info.num_kv_blocks,
-            info.block_size,
+        log.info("serving %s", self.ready_line(engine))
+
+    def ready_line(self, engine: EngineClient) -> str:
+        """The model, where to reach it, and the versions: the last line of a start."""
+        info, config = engine.info, self.config
+        places = [f"gRPC {config.host}:{self.port}"]
+        if self.http is not None:
+            places += [f"OpenAI API {self.http.url}v1", f"playground {self.http.url}"]
+        if config.metrics_port:
+            places.append(f"metrics http://{config.host}:{config.metrics_port}/metrics")
+        elif self.http is not None:
+            places.append(f"metrics {self.http.url}metrics")
+        return (
+            f"{info.model_id} (context {info.max_model_len} tokens, {info.num_threads} threads, "
+            f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens) at {', '.join(places)}; {versions()}"
         )
 
     def _engine_died(self) -> None:
@@ -131,19 +145,58 @@ async def start_server(engine: EngineClient, config: ServerConfig, started: bool
     return server, server.port
 
 
+def versions() -> str:
+    return f"ovserve {package_version('ovserve')}, OpenVINO {package_version('openvino')}"
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@contextlib.contextmanager
+def port_named(host: str, port: int, field: str) -> Iterator[None]:
+    """A port that cannot be bound is named with the flag and the variable that change it."""
+    try:
+        yield
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise OSError(
+            f"cannot listen on {host}:{port} ({reason}); choose another with --{field.replace('_', '-')} or "
+            f"{env_name(field)}"
+        ) from None
+
+
+def check_model(folder: str) -> str | None:
+    """Why the model folder cannot be served, in one line (None: it can be read)."""
+    try:
+        ModelFiles.read(folder)
+    except (OSError, ValueError) as exc:
+        return f"--model {folder}: {exc}"
+    return None
+
+
 async def run(config: ServerConfig) -> int:
-    """Serve until a signal (exit 0) or the engine's death (exit 1); the process's exit code."""
+    """Serve until a signal (exit 0) or the engine's death (exit 1); the process's exit code (2: a mistake in
+    how it was started, such as a model folder that holds no model or a port that is taken)."""
+    problem = check_model(config.model)
+    if problem is not None:
+        log.error("cannot start: %s", problem)
+        return 2
+    log.info("starting %s", versions())
     try:
         server = Server(config)
     except (ValueError, OSError) as exc:  # a port is taken, the TLS files do not fit, the token file is empty
         log.error("cannot start: %s", exc)
-        return 1
+        return 2
     try:
         await server.start()  # binds the metrics port, starts the HTTP server (its TLS context)
     except (ValueError, OSError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         await server.drain(grace_seconds=0, delay_seconds=0)  # what did start stops, and its ports are freed
-        return 1
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 

@@ -103,7 +103,7 @@ def test_silent_and_half_sent_connections_are_closed_at_their_deadlines_while_ot
         s = running.connect()
         s.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 100\r\n\r\n{\"mess"
+            b'Content-Length: 100\r\n\r\n{"mess'
         )
         half_body.append(s)
     # 240 connections held open: a normal request is answered as quickly as without them
@@ -149,7 +149,7 @@ def test_a_client_gone_while_sending_its_body_is_a_client_disconnect(running):
     s = running.connect()
     s.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 1000\r\n\r\n{\"prompt\": \"a"
+        b'Content-Length: 1000\r\n\r\n{"prompt": "a'
     )
     time.sleep(0.1)
     s.close()

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from importlib import resources
 from typing import Any, TypeVar
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -307,6 +308,11 @@ class Api:
         model = openai_out.model_object(info, self.created)
         return JSONResponse(model if "model" in request.path_params else {"object": "list", "data": [model]})
 
+    async def metrics_text(self, request: Request) -> Response:
+        """The metrics port's page on the API's port too, as vLLM, llama.cpp and OVMS serve it; like the probes,
+        it needs no token (it holds counts, never request content)."""
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     async def live(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -341,6 +347,7 @@ def build_app(
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.models, methods=["GET"]),
+        Route("/metrics", api.metrics_text, methods=["GET"]),
         Route("/health", api.live, methods=["GET"]),
         Route("/livez", api.live, methods=["GET"]),
         Route("/ready", api.ready, methods=["GET"]),
