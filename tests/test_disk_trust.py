@@ -292,6 +292,26 @@ def test_a_folder_held_by_a_live_process_is_refused_and_freed_by_its_death(tmp_p
     tier.close(5)
 
 
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "empty folder"])
+def test_a_lock_file_that_is_not_a_file_is_replaced_not_followed(tmp_path, kind):
+    (tmp_path / "target").write_text("not the tier's")
+    folder_of(tmp_path).mkdir()
+    lock = folder_of(tmp_path) / disk_store.LOCK_NAME
+    if kind == "symlink":
+        lock.symlink_to(tmp_path / "target")
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+    tier = KVDiskTier(DiskStore(tmp_path, IDENTITY, 1 << 20), cache_arrays(), Reports())
+    tier.start()
+    assert tier.enabled and lock.is_file() and not lock.is_symlink()
+    assert (tmp_path / "target").read_text() == "not the tier's"
+    with pytest.raises(RuntimeError, match="--kv-disk-dir"):  # and it holds the folder
+        KVDiskTier(DiskStore(tmp_path, IDENTITY, 1 << 20), cache_arrays(), Reports()).start()
+    tier.close(5)
+
+
 @pytest.mark.parametrize("live", [True, False])
 def test_a_live_servers_folder_is_never_removed_as_abandoned(tmp_path, live):
     other = KVDiskTier(DiskStore(tmp_path, OTHER_IDENTITY, 1 << 20), cache_arrays(), Reports())

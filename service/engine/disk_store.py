@@ -77,7 +77,9 @@ class StoreCounters:
     num_written: int = 0
     num_read: int = 0
     num_evicted: int = 0
-    num_corrupt: int = 0  # files removed because they were truncated, corrupt or foreign
+    # entries under a block's name never loaded: files truncated, corrupt or foreign, and anything but a regular
+    # file it can read (each counted once)
+    num_corrupt: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
 
@@ -156,7 +158,10 @@ class DiskStore:
         with os.scandir(folder) as listing:
             items = list(listing)
         for item in items:
-            info = item.stat(follow_symlinks=False)
+            try:
+                info = item.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed since the listing
+                continue
             digest = _digest_of(item.name)
             if digest is None:
                 if item.name.endswith(TEMP_SUFFIX) and not stat.S_ISDIR(info.st_mode):
