@@ -113,8 +113,10 @@ class KVDiskTier:
         self._thread = threading.Thread(target=self._run, name="kv-disk", daemon=True)
 
     def start(self) -> None:
+        """Open the store, holding its folder: raises FolderInUse when another running server holds it (the
+        server must not start on it). A folder that cannot be used leaves the tier off, with one warning."""
         try:
-            self.store.open()
+            self.store.open(exclusive=True)
         except OSError as exc:
             log.warning("kv disk tier off: cannot use %s: %s", self.store.folder, exc)
             return
@@ -131,6 +133,8 @@ class KVDiskTier:
             self._thread.join(timeout)
         if self._files is not None:
             self._files.stop()
+        if not self._thread.is_alive() and (self._stuck is None or self._stuck.done()):
+            self.store.close()  # no file operation is left running: the folder (and its lock) can go
         if self._writes:
             num_left = sum(len(w.digests) for w in self._writes)
             log.warning("kv disk tier: %d queued blocks not written at shutdown", num_left)
