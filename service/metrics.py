@@ -298,7 +298,11 @@ def disk_tier_metrics(d: DiskTierStats):
         ("ovserve_kv_disk_restored_blocks", "KV blocks restored from the disk tier", d.num_restored),
         ("ovserve_kv_disk_skipped_blocks", "Full KV blocks not written because writes fell behind", d.num_skipped),
         ("ovserve_kv_disk_evicted_blocks", "KV blocks removed from the disk tier (size or idle time)", d.num_evicted),
-        ("ovserve_kv_disk_corrupt_blocks", "Disk-tier files removed as truncated, corrupt or foreign", d.num_corrupt),
+        (
+            "ovserve_kv_disk_corrupt_blocks",
+            "Disk-tier entries refused: truncated, corrupt or foreign files, and anything not a regular readable file",
+            d.num_corrupt,
+        ),
         ("ovserve_kv_disk_written_bytes", "Bytes written to the disk tier", d.bytes_written),
         ("ovserve_kv_disk_read_bytes", "Bytes read from the disk tier", d.bytes_read),
         ("ovserve_kv_disk_restores", "Requests whose prefix was restored from disk", d.num_restores),

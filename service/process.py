@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from service.config import ServerConfig, env_name
-from service.engine import Engine, EngineClient
+from service.engine import Engine, EngineClient, FolderInUse
 from service.engine.model_files import ModelFiles
 from service.http.front import HttpFront
 from service.metrics import Metrics
@@ -213,7 +213,12 @@ async def run(config: ServerConfig) -> int:
     failed = asyncio.create_task(server.engine_failed.wait())
     await asyncio.wait({load, stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
-        log.error("cannot load the model from %s", config.model, exc_info=load.exception())
+        failure = load.exception()
+        if isinstance(failure, FolderInUse):  # a mistake in how it was started: one line, no traceback
+            log.error("cannot start: %s", failure)
+            await server.drain(delay_seconds=0)
+            return 2
+        log.error("cannot load the model from %s", config.model, exc_info=failure)
         await server.drain(delay_seconds=0)
         return 1
     await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
