@@ -8,6 +8,8 @@ const $ = (id) => document.getElementById(id);
 const NUMBER_SETTINGS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed"];
 const history = []; // the conversation without the system prompt: {role, content}
 let controller = null; // the reply in progress
+let conversation = 0; // counts Clears: a reply that ends after one belongs to no conversation
+const RETRY_MS = 2000; // while the model loads (503) or the server cannot be reached
 
 function requestHeaders() {
   const headers = { "Content-Type": "application/json" };
@@ -85,6 +87,7 @@ function describe(run) {
 async function send() {
   const text = $("message").value.trim();
   if (!text || controller) return;
+  const mine = conversation;
   $("message").value = "";
   history.push({ role: "user", content: text });
   addMessage("user", text);
@@ -136,19 +139,28 @@ async function send() {
     controller = null;
     setBusy(false);
   }
+  if (mine !== conversation) return; // cleared while it streamed: not part of the new conversation
   view.stats.textContent = describe(run);
   if (reply) history.push({ role: "assistant", content: reply });
   else history.pop(); // nothing came back: the message can be sent again
 }
 
+let modelRetry = null;
+
+// Shows the served model; while it loads (503) or the server is unreachable, says so and asks again.
 async function showModel() {
+  clearTimeout(modelRetry);
+  let again = false;
   try {
     const response = await fetch("v1/models", { headers: requestHeaders() });
     const body = await response.json();
     $("model").textContent = response.ok ? body.data[0].id : body.error.message;
+    again = response.status === 503;
   } catch (error) {
-    $("model").textContent = "server unreachable";
+    $("model").textContent = "server unreachable; retrying";
+    again = true;
   }
+  if (again) modelRetry = setTimeout(showModel, RETRY_MS);
 }
 
 $("composer").addEventListener("submit", (event) => {
@@ -163,6 +175,8 @@ $("message").addEventListener("keydown", (event) => {
 });
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("clear").addEventListener("click", () => {
+  conversation += 1;
+  if (controller) controller.abort(); // the reply in progress stops and stays out of the next conversation
   history.length = 0;
   $("log").replaceChildren();
 });
