@@ -4,10 +4,14 @@ A test is marked `model` when it uses a converted model, directly or through a s
 holds one of the model fixtures). `make test-unit` runs `-m "not model"`: everything that needs neither a
 model nor a server subprocess. A marker computed from fixtures, not a folder: a module keeps its unit tests
 beside the integration tests of the same subject, and a new test that takes a model leaves the unit run by
-itself."""
+itself.
+
+The tests that need no model run first, while the models the others need are converted in the background.
+"""
 
 import pytest
 
+from tests.support import models
 from tests.support.models import (  # noqa: F401 (fixtures)
     MODEL_FIXTURES,
     smollm2_ir,
@@ -29,6 +33,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+    items.sort(key=lambda item: item.get_closest_marker("model") is not None)  # stable: in order within each
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    models.start({name for item in session.items for name in MODEL_FIXTURES.intersection(item.fixturenames)})
 
 
 @pytest.hookimpl(tryfirst=True)
