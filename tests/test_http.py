@@ -1,23 +1,26 @@
 """The OpenAI-compatible HTTP front on a real server (gRPC and HTTP on one engine), driven by the official
 `openai` package, httpx, a raw socket (to vanish mid-request) and the README's own curl commands."""
 
+import asyncio
 import json
 import logging
 import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2
 
+from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.client import Client
 from tests.support.paths import ROOT
-from tests.support.servers import TIMEOUT, Running, base_config, free_port, wait_idle
+from tests.support.servers import TIMEOUT, Running, base_config, free_port, health_status, wait_idle
 
 LONG = {"max_tokens": 3000, "extra_body": {"ignore_eos": True}}
 
@@ -410,7 +413,7 @@ def test_readme_curl_examples_run(server, model):
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
 
 
-# -- servers of their own ----------------------------------------------------------------------------------
+# -- auth and TLS (a shared server); loading and draining (a server of its own) ---------------------------
 def test_auth_and_tls(secure_server):
     url, cert = secure_server.url, secure_server.cert
     with httpx.Client(verify=str(cert), timeout=TIMEOUT) as http:
@@ -429,33 +432,56 @@ def test_auth_and_tls(secure_server):
         httpx.get(url.replace("https:", "http:") + "/health", timeout=5)  # TLS only
 
 
-def test_loading_ready_and_draining(tiny_qwen3_ir):
+def test_both_fronts_load_serve_and_drain_together(tiny_qwen3_ir):
+    """Readiness is decided once: gRPC health and HTTP /ready agree while loading (NOT_SERVING, 503, requests
+    refused as UNAVAILABLE and 503), once loaded, and while draining, when the streams in flight on both fronts
+    finish and new requests are refused."""
     port = free_port()
     running = Running(base_config(tiny_qwen3_ir, http_port=port, drain_grace_seconds=30), load=False)
     url = f"http://127.0.0.1:{port}"
     sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     try:
+        assert health_status(running.target) == not_serving
+        with Client(running.target) as c, pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt="hi", timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.get(url + "/ready").status_code == 503
         with pytest.raises(openai.InternalServerError) as err:
             chat(sdk, "any")
         assert err.value.status_code == 503 and "loading" in err.value.body["message"]
+
         running.call(running.server.load())
+        assert health_status(running.target) == serving
+        assert health_status(running.target, "ovserve.v1.Generation") == serving
         assert httpx.get(url + "/ready").status_code == 200
+
         model = running.engine.info.model_id
-        stream = iter(chat(sdk, model, stream=True, max_tokens=200, extra_body={"ignore_eos": True}))
-        next(stream)
-        draining = threading.Thread(target=lambda: running.call(running.server.drain()))
-        draining.start()
-        deadline = time.time() + 10
-        while httpx.get(url + "/ready").status_code != 503:
-            assert time.time() < deadline, "still ready while draining"
-            time.sleep(0.02)
-        with pytest.raises(openai.InternalServerError) as err:
-            chat(sdk, model, max_tokens=2)
-        assert "draining" in err.value.body["message"]
-        assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"  # in flight: finishes
-        draining.join(TIMEOUT)
+        # Without the client's retries of UNAVAILABLE, to see the draining server's own answer.
+        with Client(running.target, options=[("grpc.enable_retries", 0)]) as c:
+            grpc_stream = c.stream(prompt="hi", max_new_tokens=200, ignore_eos=True, timeout=TIMEOUT)
+            next(grpc_stream)
+            http_stream = iter(chat(sdk, model, stream=True, max_tokens=200, extra_body={"ignore_eos": True}))
+            next(http_stream)
+            draining = asyncio.run_coroutine_threadsafe(running.server.drain(), running.loop)
+            deadline = time.time() + 10  # drain runs on the server's loop; give it a moment to flip health
+            while health_status(running.target) != not_serving:
+                assert time.time() < deadline, "health still SERVING while draining"
+                time.sleep(0.02)
+            while httpx.get(url + "/ready").status_code != 503:
+                assert time.time() < deadline, "still ready while draining"
+                time.sleep(0.02)
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(prompt="hi", timeout=TIMEOUT)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+            with pytest.raises(openai.InternalServerError) as err:
+                chat(sdk, model, max_tokens=2)
+            assert "draining" in err.value.body["message"]
+            # in flight: both finish
+            assert list(grpc_stream)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert [c.choices[0].finish_reason for c in http_stream if c.choices][-1] == "length"
+            draining.result(TIMEOUT)
         running.drained = True
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health")

@@ -1,6 +1,5 @@
 """The gRPC server on localhost (port 0) with a real engine and a real converted model."""
 
-import asyncio
 import concurrent.futures
 import signal
 import threading
@@ -296,33 +295,7 @@ def test_overload_is_resource_exhausted(limits_server):
     wait_idle(limits_server.engine)
 
 
-def test_health_loading_serving_draining(tiny_qwen3_ir):
-    running = Running(base_config(tiny_qwen3_ir), load=False)
-    try:
-        assert health_status(running.target) == health_pb2.HealthCheckResponse.NOT_SERVING
-        with Client(running.target) as c, pytest.raises(grpc.RpcError) as err:
-            c.generate(prompt="hi", timeout=TIMEOUT)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        running.call(running.server.load())
-        assert health_status(running.target) == health_pb2.HealthCheckResponse.SERVING
-        assert health_status(running.target, "ovserve.v1.Generation") == health_pb2.HealthCheckResponse.SERVING
-        # Without the client's retries of UNAVAILABLE, to see the draining server's own answer.
-        with Client(running.target, options=[("grpc.enable_retries", 0)]) as c:
-            stream = c.stream(prompt="hi", max_new_tokens=200, ignore_eos=True, timeout=TIMEOUT)
-            next(stream)
-            draining = asyncio.run_coroutine_threadsafe(running.server.drain(), running.loop)
-            deadline = time.time() + 10  # drain runs on the server's loop; give it a moment to flip health
-            while health_status(running.target) != health_pb2.HealthCheckResponse.NOT_SERVING:
-                assert time.time() < deadline, "health still SERVING while draining"
-                time.sleep(0.02)
-            with pytest.raises(grpc.RpcError) as err:
-                c.generate(prompt="hi", timeout=TIMEOUT)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
-            assert list(stream)[-1].finish_reason == pb.FINISH_REASON_LENGTH  # in flight: finishes
-            draining.result(TIMEOUT)
-        running.drained = True
-    finally:
-        running.stop()
+# Loading, serving and draining: test_http.py, on both fronts of one server.
 
 
 def test_auth_rejects_missing_or_wrong_token(secure_server):
