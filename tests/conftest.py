@@ -37,7 +37,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    models.start({name for item in session.items for name in MODEL_FIXTURES.intersection(item.fixturenames)})
+    if not session.config.option.collectonly:
+        models.start({name for item in session.items for name in MODEL_FIXTURES.intersection(item.fixturenames)})
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    models.stop()
 
 
 @pytest.hookimpl(tryfirst=True)

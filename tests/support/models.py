@@ -57,6 +57,11 @@ def start(names: set[str]) -> None:
             _built[name] = _builder.submit(BUILDS[name])
 
 
+def stop() -> None:
+    """Drops the conversions not started yet (a run that ends early); one under way still finishes."""
+    _builder.shutdown(wait=False, cancel_futures=True)
+
+
 def model(name: str) -> Path:
     start({name})
     return _built[name].result()
