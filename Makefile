@@ -5,7 +5,7 @@ MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 QWEN4B  := models/qwen3-4b-synthetic-int8
 
-.PHONY: install system-packages proto model serve test test-fast lint typecheck check bench bench-memory bench-speculative bench-pieces bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: install system-packages proto model serve test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-pieces bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
 install: $(STAMP)
 
@@ -44,11 +44,17 @@ serve: $(STAMP) $(if $(filter $(DEFAULT_MODEL),$(MODEL)),$(DEFAULT_MODEL)/manife
 system-packages:
 	bash scripts/install_debian_packages.sh
 
+# Every test, with the 20 slowest in the report (CI runs this).
 test: $(STAMP) system-packages
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=20
 
+# Every test but the slow ones (still run by `make test` and CI).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=20
+
+# No model and no server subprocess, about a minute: tests/conftest.py marks every test that uses a model.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not model" --durations=10
 
 # Style, then the import layers declared in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)

@@ -1,57 +1,54 @@
-"""Session fixtures: real converted models, built once through the conversion CLI and cached under models/."""
+"""Session fixtures (converted models, shared servers) from tests/support, and the `model` marker.
 
-import subprocess
-import sys
-from pathlib import Path
+A test is marked `model` when it uses a converted model, directly or through a server (its fixture closure
+holds one of the model fixtures). `make test-unit` runs `-m "not model"`: everything that needs neither a
+model nor a server subprocess. A marker computed from fixtures, not a folder: a module keeps its unit tests
+beside the integration tests of the same subject, and a new test that takes a model leaves the unit run by
+itself.
+
+The tests that need no model run first, while the models the others need are converted in the background.
+"""
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-MODELS = ROOT / "models"
+from tests.support import models
+from tests.support.models import (  # noqa: F401 (fixtures)
+    MODEL_FIXTURES,
+    smollm2_ir,
+    tiny_qwen3_fp16_ir,
+    tiny_qwen3_hf,
+    tiny_qwen3_int4_ir,
+    tiny_qwen3_ir,
+)
+from tests.support.served import (  # noqa: F401 (fixtures)
+    limits_server,
+    secure_server,
+    smol_server,
+    tiny_server,
+    tools_server,
+)
 
 
-def run_cli(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, check=check, **kw)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+    items.sort(key=lambda item: item.get_closest_marker("model") is not None)  # stable: in order within each
 
 
-def _converted(name: str, source: str, *options: str) -> Path:
-    """Always goes through the CLI: a cached model with the same inputs is its no-op path (about a second);
-    a cached model from other inputs (e.g. a regenerated synthetic checkpoint) is replaced."""
-    out = MODELS / name
-    result = run_cli("-m", "convert", source, str(out), *options, check=False)
-    if result.returncode != 0 and "pass --force to replace it" in result.stderr:
-        result = run_cli("-m", "convert", source, str(out), *options, "--force", check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not session.config.option.collectonly:
+        models.start({name for item in session.items for name in MODEL_FIXTURES.intersection(item.fixturenames)})
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_hf() -> Path:
-    out = MODELS / "test-tiny-qwen3-hf"
-    if not (out / "config.json").exists():
-        result = run_cli("-m", "convert.synthetic", "tiny", str(out), check=False)
-        assert result.returncode == 0, result.stderr[-3000:]
-    return out
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    models.stop()
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_ir(tiny_qwen3_hf) -> Path:
-    return _converted("test-tiny-qwen3-int8", str(tiny_qwen3_hf))
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_fp16_ir(tiny_qwen3_hf) -> Path:
-    """Uncompressed weights: int8 kernels round a many-token prefill and a one-token decode differently,
-    which flips near-tied argmaxes of a random model; exact token comparisons use this IR."""
-    return _converted("test-tiny-qwen3-fp16", str(tiny_qwen3_hf), "--weight-format", "fp16")
-
-
-@pytest.fixture(scope="session")
-def smollm2_ir() -> Path:
-    return _converted("smollm2-135m-int8", "smollm2")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_int4_ir(tiny_qwen3_hf) -> Path:
-    """4-bit weights (NNCF int4_asym, group size 128, on the layers it can group; int8 on the rest)."""
-    return _converted("test-tiny-qwen3-int4", str(tiny_qwen3_hf), "--weight-format", "int4")
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> None:
+    """A model asked for at run time (request.getfixturevalue) is not in the closure the marker reads: such a
+    test must carry the marker itself, or the unit run would build models and servers."""
+    item = getattr(request, "_pyfuncitem", None)
+    if fixturedef.argname in MODEL_FIXTURES and item is not None and item.get_closest_marker("model") is None:
+        raise pytest.UsageError(f"{item.nodeid} uses {fixturedef.argname} at run time: mark it @pytest.mark.model")

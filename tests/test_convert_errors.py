@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.support.paths import run_cli
 
 
 def _existing_output(path: Path) -> dict[str, bytes]:

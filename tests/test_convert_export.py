@@ -9,7 +9,7 @@ from pathlib import Path
 import openvino as ov
 import pytest
 
-from tests.conftest import run_cli
+from tests.support.paths import run_cli
 
 
 def test_tiny_qwen3_int8_export(tiny_qwen3_ir: Path):

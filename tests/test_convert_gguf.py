@@ -59,7 +59,7 @@ def test_default_model_answers_sensibly(smollm2_ir: Path):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from tests.reference import StatefulReference
+    from tests.support.reference import StatefulReference
 
     tok = AutoTokenizer.from_pretrained(smollm2_ir)
     # The template's default system prompt ("You are a helpful AI assistant named SmolLM...") derails this

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.support.paths import ROOT, run_cli
 
 
 def _as_from_a_terminal() -> None:

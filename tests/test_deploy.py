@@ -8,23 +8,18 @@ the CPU limit, selectors, drain timing, security context, read-only model volume
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tomllib
-from functools import cache
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
+from tests.support.kustomize import DEPLOY, K8S_VERSIONS, build, build_kubectl, build_lite, kubectl, one
+from tests.support.paths import ROOT
 
 # --- What the server accepts (python -m service). Fix here if its flags or environment change. ---
 ENV_PORT = "OVSERVE_PORT"
@@ -46,8 +41,6 @@ MODEL_MOUNT = "/models"
 # --- What the manifests must look like. ---
 BUILDS = ("base", "overlays/small", "overlays/large")
 OVERLAY_CPUS = {"overlays/small": 2, "overlays/large": 32}
-# Strict schemas: an old-but-supported floor (native preStop sleep, matchLabelKeys) and the newest shipped.
-K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
 REQUIRED_KINDS = {
     "ConfigMap",
     "PersistentVolumeClaim",
@@ -65,46 +58,7 @@ RUNTIME_FORBIDDEN = ("torch", "torchvision", "optimum", "optimum-intel", "nncf",
 
 
 # --------------------------------------------------------------------------------------------------
-# Building
-
-
-def _kubectl() -> str | None:
-    exe = shutil.which("kubectl")
-    if exe is None:
-        return None
-    probe = subprocess.run([exe, "kustomize", "--help"], capture_output=True, text=True)
-    return exe if probe.returncode == 0 else None
-
-
-def _lite():
-    spec = importlib.util.spec_from_file_location("kustomize_lite", DEPLOY / "kustomize_lite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@cache
-def build_kubectl(name: str) -> tuple[dict, ...]:
-    exe = _kubectl()
-    assert exe is not None
-    out = subprocess.run([exe, "kustomize", str(K8S / name)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
-
-
-@cache
-def build_lite(name: str) -> tuple[dict, ...]:
-    return tuple(_lite().build(K8S / name))
-
-
-def build(name: str) -> tuple[dict, ...]:
-    return build_kubectl(name) if _kubectl() else build_lite(name)
-
-
-def one(docs, kind: str, name: str | None = None) -> dict:
-    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
+# Building: tests/support/kustomize.py
 
 
 def all_of(docs, kind: str) -> list[dict]:
@@ -206,7 +160,7 @@ def test_builds_with_required_resources(name):
 
 @pytest.mark.parametrize("name", BUILDS)
 def test_kustomize_lite_equals_kubectl(name):
-    if _kubectl() is None:
+    if kubectl() is None:
         pytest.skip("kubectl not installed: the builds above used deploy/kustomize_lite.py")
 
     def key(d):

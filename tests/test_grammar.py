@@ -20,48 +20,10 @@ from service.core.scheduler import Scheduler
 from service.core.speculative import Guess
 from service.core.stop import stop_reason
 from service.errors import InvalidArgument
+from tests.support.schemas import SCHEMAS
 
 VOCAB = 151936  # the Qwen3 model's logits rows: more than the tokenizer's 151,669 ids
 EOS = (151645, 151643)
-
-SCHEMAS = {
-    "nested": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 8},
-            "address": {
-                "type": "object",
-                "properties": {
-                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-                    "floor": {"type": "integer", "minimum": -2, "maximum": 120},
-                },
-                "required": ["zip", "floor"],
-                "additionalProperties": False,
-            },
-        },
-        "required": ["name", "address"],
-        "additionalProperties": False,
-    },
-    "enum_and_array": {
-        "type": "object",
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 3},
-        },
-        "required": ["color", "tags"],
-        "additionalProperties": False,
-    },
-    "bounded_numbers": {
-        "type": "object",
-        "properties": {
-            "age": {"type": "integer", "minimum": 18, "maximum": 99},
-            "score": {"type": "integer", "exclusiveMinimum": -5, "maximum": 5},
-            "ok": {"type": "boolean"},
-        },
-        "required": ["age", "score", "ok"],
-        "additionalProperties": False,
-    },
-}
 
 
 @pytest.fixture(scope="module")

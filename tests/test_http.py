@@ -1,38 +1,42 @@
 """The OpenAI-compatible HTTP front on a real server (gRPC and HTTP on one engine), driven by the official
 `openai` package, httpx, a raw socket (to vanish mid-request) and the README's own curl commands."""
 
+import asyncio
 import json
 import logging
 import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2
 
+from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.client import Client
-from tests.conftest import ROOT
-from tests.test_server import TIMEOUT, Running, base_config, free_port, self_signed_cert, wait_idle
+from tests.support.paths import ROOT
+from tests.support.servers import TIMEOUT, Running, base_config, free_port, health_status, wait_idle
 
 LONG = {"max_tokens": 3000, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_ir):
-    running = Running(base_config(tiny_qwen3_ir, http_port=free_port(), max_num_seqs=4, max_queue=0))
-    running.url = f"http://127.0.0.1:{running.server.http.port}"
-    yield running
-    running.stop()
+def server(tiny_server):
+    return tiny_server
+
+
+def openai_client(server: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def sdk(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as client:
+    with openai_client(server) as client:
         yield client
 
 
@@ -287,15 +291,18 @@ def test_a_client_gone_before_a_unary_reply_frees_its_blocks(server):
     assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
 
 
-def test_a_full_queue_is_429(sdk, model, server):
-    streams = [chat(sdk, model, stream=True, **LONG) for _ in range(server.engine.config.max_num_seqs)]
-    try:
-        with pytest.raises(openai.RateLimitError) as err:
-            chat(sdk, model, max_tokens=2)
-        assert err.value.body["code"] == "queue_full"
-    finally:
-        for stream in streams:
-            stream.close()
+def test_a_full_queue_is_429(limits_server):
+    server = limits_server  # no queue: the requests beyond max_num_seqs are refused
+    with openai_client(server) as sdk:
+        model = server.engine.info.model_id
+        streams = [chat(sdk, model, stream=True, **LONG) for _ in range(server.engine.config.max_num_seqs)]
+        try:
+            with pytest.raises(openai.RateLimitError) as err:
+                chat(sdk, model, max_tokens=2)
+            assert err.value.body["code"] == "queue_full"
+        finally:
+            for stream in streams:
+                stream.close()
     wait_idle(server.engine)
 
 
@@ -406,68 +413,75 @@ def test_readme_curl_examples_run(server, model):
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
 
 
-# -- servers of their own ----------------------------------------------------------------------------------
-def test_auth_and_tls(tiny_qwen3_ir, tmp_path):
-    key, cert = self_signed_cert(tmp_path)
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    port = free_port()
-    config = base_config(
-        tiny_qwen3_ir,
-        host="localhost",
-        http_port=port,
-        auth_token_file=str(token),
-        tls_cert=str(cert),
-        tls_key=str(key),
-    )
-    running = Running(config)
-    url = f"https://localhost:{port}"
-    try:
-        with httpx.Client(verify=str(cert), timeout=TIMEOUT) as http:
-            # the SDK would close a client it is given when used as a context manager
-            wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", http_client=http, max_retries=0)
-            with pytest.raises(openai.AuthenticationError) as err:
-                wrong.models.list()
-            assert err.value.body["code"] == "invalid_api_key"
-            sdk = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", http_client=http, max_retries=0)
-            model = sdk.models.list().data[0].id
-            assert chat(sdk, model, max_tokens=2).usage.completion_tokens == 2
-            assert http.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401  # no header
-            for probe in ("/health", "/ready", "/"):
-                assert http.get(url + probe).status_code == 200  # probes and the page need no token
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://localhost:{port}/health", timeout=5)  # TLS only
-    finally:
-        running.stop()
+# -- auth and TLS (a shared server); loading and draining (a server of its own) ---------------------------
+def test_auth_and_tls(secure_server):
+    url, cert = secure_server.url, secure_server.cert
+    with httpx.Client(verify=str(cert), timeout=TIMEOUT) as http:
+        # the SDK would close a client it is given when used as a context manager
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", http_client=http, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.models.list()
+        assert err.value.body["code"] == "invalid_api_key"
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key=secure_server.token, http_client=http, max_retries=0)
+        model = sdk.models.list().data[0].id
+        assert chat(sdk, model, max_tokens=2).usage.completion_tokens == 2
+        assert http.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401  # no header
+        for probe in ("/health", "/ready", "/"):
+            assert http.get(url + probe).status_code == 200  # probes and the page need no token
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url.replace("https:", "http:") + "/health", timeout=5)  # TLS only
 
 
-def test_loading_ready_and_draining(tiny_qwen3_ir):
+def test_both_fronts_load_serve_and_drain_together(tiny_qwen3_ir):
+    """Readiness is decided once: gRPC health and HTTP /ready agree while loading (NOT_SERVING, 503, requests
+    refused as UNAVAILABLE and 503), once loaded, and while draining, when the streams in flight on both fronts
+    finish and new requests are refused."""
     port = free_port()
     running = Running(base_config(tiny_qwen3_ir, http_port=port, drain_grace_seconds=30), load=False)
     url = f"http://127.0.0.1:{port}"
     sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     try:
+        assert health_status(running.target) == not_serving
+        with Client(running.target) as c, pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt="hi", timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.get(url + "/ready").status_code == 503
         with pytest.raises(openai.InternalServerError) as err:
             chat(sdk, "any")
         assert err.value.status_code == 503 and "loading" in err.value.body["message"]
+
         running.call(running.server.load())
+        assert health_status(running.target) == serving
+        assert health_status(running.target, "ovserve.v1.Generation") == serving
         assert httpx.get(url + "/ready").status_code == 200
+
         model = running.engine.info.model_id
-        stream = iter(chat(sdk, model, stream=True, max_tokens=200, extra_body={"ignore_eos": True}))
-        next(stream)
-        draining = threading.Thread(target=lambda: running.call(running.server.drain()))
-        draining.start()
-        deadline = time.time() + 10
-        while httpx.get(url + "/ready").status_code != 503:
-            assert time.time() < deadline, "still ready while draining"
-            time.sleep(0.02)
-        with pytest.raises(openai.InternalServerError) as err:
-            chat(sdk, model, max_tokens=2)
-        assert "draining" in err.value.body["message"]
-        assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"  # in flight: finishes
-        draining.join(TIMEOUT)
+        # Without the client's retries of UNAVAILABLE, to see the draining server's own answer.
+        with Client(running.target, options=[("grpc.enable_retries", 0)]) as c:
+            grpc_stream = c.stream(prompt="hi", max_new_tokens=200, ignore_eos=True, timeout=TIMEOUT)
+            next(grpc_stream)
+            http_stream = iter(chat(sdk, model, stream=True, max_tokens=200, extra_body={"ignore_eos": True}))
+            next(http_stream)
+            draining = asyncio.run_coroutine_threadsafe(running.server.drain(), running.loop)
+            deadline = time.time() + 10  # drain runs on the server's loop; give it a moment to flip health
+            while health_status(running.target) != not_serving:
+                assert time.time() < deadline, "health still SERVING while draining"
+                time.sleep(0.02)
+            while httpx.get(url + "/ready").status_code != 503:
+                assert time.time() < deadline, "still ready while draining"
+                time.sleep(0.02)
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(prompt="hi", timeout=TIMEOUT)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+            with pytest.raises(openai.InternalServerError) as err:
+                chat(sdk, model, max_tokens=2)
+            assert "draining" in err.value.body["message"]
+            # in flight: both finish
+            assert list(grpc_stream)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert [c.choices[0].finish_reason for c in http_stream if c.choices][-1] == "length"
+            draining.result(TIMEOUT)
         running.drained = True
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health")
@@ -478,12 +492,23 @@ def test_loading_ready_and_draining(tiny_qwen3_ir):
 
 def test_streamed_completion_logprobs_give_the_offsets_of_the_whole_response(sdk, model):
     """A token whose text ends inside a multi-byte character is sent with its logprob before its text: the
-    streamed offsets still count every token's text, as the whole response's do."""
-    body = {"model": model, "prompt": "Hello", "logprobs": 1, **GREEDY, "max_tokens": 40}
-    whole = sdk.completions.create(**body).choices[0]
-    chunks = [c.choices[0] for c in sdk.completions.create(stream=True, **body) if c.choices]
-    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
-    # some token's text came in a later chunk than its logprob: the case is tested
-    assert any(len(c.text) != sum(map(len, c.logprobs.tokens)) for c in chunks if c.logprobs)
-    assert streamed == whole.logprobs.text_offset
-    assert "".join(c.text for c in chunks) == whole.text
+    streamed offsets still count every token's text, as the whole response's do.
+
+    Whether a reply has such a token depends on the random model's numerics (they differ between CPUs), so
+    several requests are tried, greedy and seeded, with prompts of multi-byte text; each is checked, until
+    one has the case."""
+    prompts = ["Hello", "日本語のテキスト：", "Ünïcödé ✓ → ∞ 😀🎉", "中文，한국어, ελληνικά"]
+    requests = [{"prompt": p, **GREEDY} for p in prompts]
+    requests += [{"prompt": p, **GREEDY, "temperature": 1.0, "seed": seed} for seed in (1, 2) for p in prompts]
+    for request in requests:
+        body = {"model": model, "logprobs": 1, **request, "max_tokens": 40}
+        whole = sdk.completions.create(**body).choices[0]
+        chunks = [c.choices[0] for c in sdk.completions.create(stream=True, **body) if c.choices]
+        streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+        assert streamed == whole.logprobs.text_offset, request
+        assert "".join(c.text for c in chunks) == whole.text, request
+        # some token's text came in a later chunk than its logprob: the case is tested
+        if any(len(c.text) != sum(map(len, c.logprobs.tokens)) for c in chunks if c.logprobs):
+            break
+    else:
+        pytest.fail(f"none of {len(requests)} replies had a token ending inside a character: the case was not tested")

@@ -8,9 +8,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_grammar import SCHEMAS
-from tests.test_server import TIMEOUT, Running, base_config, free_port, wait_idle
-from tests.test_structured import TEMPLATE, WEATHER
+from tests.support.schemas import SCHEMAS, WEATHER
+from tests.support.servers import TIMEOUT, wait_idle
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
@@ -19,27 +18,19 @@ TOOLS = [
 ASK = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
 
 
-def serve(model, **kw):
-    running = Running(base_config(model, http_port=free_port(), max_num_seqs=8, **kw))
-    url = f"http://127.0.0.1:{running.server.http.port}/v1"
-    sdk = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=TIMEOUT)
-    return running, sdk
+def serve(running):
+    with openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT) as sdk:
+        yield running, sdk, running.engine.info.model_id
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_qwen3_ir):
-    running, sdk = serve(tiny_qwen3_ir, chat_template=TEMPLATE)
-    yield running, sdk, running.engine.info.model_id
-    sdk.close()
-    running.stop()
+def tiny(tools_server):
+    yield from serve(tools_server)  # the tiny model with the real Qwen3-4B-Instruct-2507 template
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_ir):
-    running, sdk = serve(smollm2_ir)
-    yield running, sdk, running.engine.info.model_id
-    sdk.close()
-    running.stop()
+def smol(smol_server):
+    yield from serve(smol_server)
 
 
 def json_schema(name):
@@ -253,7 +244,7 @@ def test_the_readme_examples_run(tiny):
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.support.paths import ROOT
 
     running, sdk, model = tiny
     section = (ROOT / "README.md").read_text().split("### Structured output and tool calls", 1)[1].split("\n### ")[0]

@@ -15,8 +15,8 @@ from service.core.kv_cache import chain_digest, root_digest
 from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig, GenerationRequest
 from service.metrics import Metrics
-from tests.test_engine import assert_no_blocks_held
-from tests.test_server import TIMEOUT, start_process
+from tests.support.engine import assert_no_blocks_held
+from tests.support.servers import TIMEOUT, start_process
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 # 26 blocks of 32 tokens for the tiny model (f16 blocks of 16 KiB, u8 ones of 10 KiB): a few prompts evict

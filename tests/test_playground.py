@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.test_server import Running, base_config, free_port, wait_idle
+from tests.support.servers import wait_idle
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [
@@ -33,10 +33,8 @@ new MutationObserver(() => {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3_ir):
-    running = Running(base_config(tiny_qwen3_ir, http_port=free_port()))
-    yield running
-    running.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

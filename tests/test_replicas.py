@@ -30,15 +30,14 @@ from deploy import lb as lb_config
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.client import Client, ReplicaLost, channel_target, new_session_id
 from service.metrics import EPP_ALIASES
-from tests.test_server import TIMEOUT, Running, base_config, free_port
+from tests.support.kustomize import hpa_metric_names
+from tests.support.servers import TIMEOUT, Running, base_config
 
 
 @pytest.fixture(scope="module")
-def two_servers(tiny_qwen3_ir):
-    servers = [Running(replace(base_config(tiny_qwen3_ir), metrics_port=free_port())) for _ in range(2)]
-    yield servers
-    for s in servers:
-        s.stop()
+def two_servers(tiny_server, tools_server):
+    """Two replicas: two shared servers (of the tiny model, uncompressed and int8), each with its metrics port."""
+    return [tiny_server, tools_server]
 
 
 # -- the session key ---------------------------------------------------------------------------------------
@@ -128,8 +127,6 @@ def test_client_retries_unavailable_on_another_replica(two_servers, tiny_qwen3_i
 
 # -- metric names read by autoscaling and the inference gateway's endpoint picker --------------------------
 def test_metric_aliases_and_autoscaling_metrics_are_exported(two_servers):
-    from tests.test_routing import hpa_metric_names
-
     server = two_servers[0]
     port = server.server.config.metrics_port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

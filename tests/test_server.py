@@ -1,16 +1,10 @@
 """The gRPC server on localhost (port 0) with a real engine and a real converted model."""
 
-import asyncio
 import concurrent.futures
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from dataclasses import fields, replace
 from pathlib import Path
 
 import grpc
@@ -20,85 +14,23 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.client import Client, build_request
-from service.config import ServerConfig
-from service.engine import EngineConfig
-from service.process import Server
-from tests.conftest import ROOT
+from tests.support.servers import TIMEOUT, Running, base_config, free_port, health_status, start_process, wait_idle
 
-TIMEOUT = 60
+# test_speculative.py imports these from here until it moves to tests.support
+__all__ = ["TIMEOUT", "Running", "base_config", "free_port"]
 
 
-class Running:
-    """A Server on its own event loop thread, so tests can use the plain blocking client."""
-
-    def __init__(self, config: ServerConfig, load: bool = True) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = self.call(self._make(config))
-        if load:
-            self.call(self.server.load())
-        self.target = f"127.0.0.1:{self.server.port}"
-
-    async def _make(self, config: ServerConfig) -> Server:
-        server = Server(config)
-        await server.start()
-        return server
-
-    def call(self, coro, timeout: float = 120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def engine(self):
-        return self.server.engine
-
-    drained = False
-
-    def stop(self) -> None:
-        if not self.drained:
-            self.call(self.server.drain())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-def base_config(model: Path, **kw) -> ServerConfig:
-    """A server on a free port with a small KV cache; kw are fields of ServerConfig or EngineConfig.
-
-    Activations in f32, not the default auto: with auto, a prompt computed in one bf16 chunk and the same
-    prompt found in the prefix cache (its last tokens computed in f32) round near ties differently, and
-    tests here compare the replies of one request asked twice, over two protocols or unary and streamed."""
-    engine_fields = {f.name for f in fields(EngineConfig)}
-    defaults = {"kv_cache_gb": 0.05, "max_num_batched_tokens": 128, "inference_precision": "f32"}
-    engine = EngineConfig(**defaults | {k: v for k, v in kw.items() if k in engine_fields})
-    server = {"port": 0, "metrics_port": 0, "http_port": 0} | {k: v for k, v in kw.items() if k not in engine_fields}
-    return ServerConfig(model=str(model), engine=engine, **server)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3_fp16_ir):
+@pytest.fixture
+def server(tiny_server):
     # Uncompressed weights and an f16 KV cache: batched and lone requests must give identical greedy text,
     # and int8 kernels or a u8 cache filled in chunks round near-tied logits of a random model differently.
-    running = Running(
-        base_config(tiny_qwen3_fp16_ir, max_num_seqs=16, kv_cache_precision="f16", inference_precision="f32")
-    )
-    yield running
-    running.stop()
+    return tiny_server
 
 
 @pytest.fixture
 def client(server):
     with Client(server.target) as c:
         yield c
-
-
-def wait_idle(engine, timeout: float = 10):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        s = engine.stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
-            return s
-        time.sleep(0.02)
-    return engine.stats()
 
 
 GREEDY = {"max_new_tokens": 16, "ignore_eos": True}
@@ -352,114 +284,44 @@ def test_prompt_longer_than_context(client, server):
     assert str(n + 3) in err.value.details() and str(n) in err.value.details()
 
 
-def test_overload_is_resource_exhausted(tiny_qwen3_ir):
-    running = Running(base_config(tiny_qwen3_ir, max_num_seqs=1, max_queue=0))
-    try:
-        with Client(running.target) as c:
-            first = c.stream(prompt="long", max_new_tokens=2000, ignore_eos=True, timeout=TIMEOUT)
-            next(first)
-            with pytest.raises(grpc.RpcError) as err:
-                c.generate(prompt="second", max_new_tokens=2, timeout=TIMEOUT)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            first.cancel()
-    finally:
-        running.stop()
+def test_overload_is_resource_exhausted(limits_server):
+    with Client(limits_server.target) as c:
+        first = c.stream(prompt="long", max_new_tokens=2000, ignore_eos=True, timeout=TIMEOUT)
+        next(first)
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt="second", max_new_tokens=2, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        first.cancel()
+    wait_idle(limits_server.engine)
 
 
-def health_status(target: str, service: str = "") -> int:
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+# Loading, serving and draining: test_http.py, on both fronts of one server.
 
 
-def test_health_loading_serving_draining(tiny_qwen3_ir):
-    running = Running(base_config(tiny_qwen3_ir), load=False)
-    try:
-        assert health_status(running.target) == health_pb2.HealthCheckResponse.NOT_SERVING
-        with Client(running.target) as c, pytest.raises(grpc.RpcError) as err:
-            c.generate(prompt="hi", timeout=TIMEOUT)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        running.call(running.server.load())
-        assert health_status(running.target) == health_pb2.HealthCheckResponse.SERVING
-        assert health_status(running.target, "ovserve.v1.Generation") == health_pb2.HealthCheckResponse.SERVING
-        # Without the client's retries of UNAVAILABLE, to see the draining server's own answer.
-        with Client(running.target, options=[("grpc.enable_retries", 0)]) as c:
-            stream = c.stream(prompt="hi", max_new_tokens=200, ignore_eos=True, timeout=TIMEOUT)
-            next(stream)
-            draining = asyncio.run_coroutine_threadsafe(running.server.drain(), running.loop)
-            deadline = time.time() + 10  # drain runs on the server's loop; give it a moment to flip health
-            while health_status(running.target) != health_pb2.HealthCheckResponse.NOT_SERVING:
-                assert time.time() < deadline, "health still SERVING while draining"
-                time.sleep(0.02)
-            with pytest.raises(grpc.RpcError) as err:
-                c.generate(prompt="hi", timeout=TIMEOUT)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
-            assert list(stream)[-1].finish_reason == pb.FINISH_REASON_LENGTH  # in flight: finishes
-            draining.result(TIMEOUT)
-        running.drained = True
-    finally:
-        running.stop()
+def test_auth_rejects_missing_or_wrong_token(secure_server):
+    # over TLS: the shared server with a token has TLS too (test_tls)
+    target, certs = secure_server.grpc_target, secure_server.cert.read_bytes()
+    for token in (None, "wrong"):
+        with Client(target, token=token, root_certificates=certs) as c:
+            for call in (
+                lambda: c.generate(prompt="hi", max_new_tokens=2, timeout=TIMEOUT),
+                lambda: list(c.stream(prompt="hi", max_new_tokens=2, timeout=TIMEOUT)),
+            ):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with Client(target, token="s3cret", root_certificates=certs) as c:
+        assert c.generate(prompt="hi", max_new_tokens=2, timeout=TIMEOUT).usage.completion_tokens == 2
+    tls = grpc.ssl_channel_credentials(certs)
+    assert health_status(target, credentials=tls) == health_pb2.HealthCheckResponse.SERVING  # probes need no token
 
 
-def test_auth_rejects_missing_or_wrong_token(tiny_qwen3_ir, tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text("s3cret\n")
-    running = Running(base_config(tiny_qwen3_ir, auth_token_file=str(token_file)))
-    try:
-        for token in (None, "wrong"):
-            with Client(running.target, token=token) as c:
-                for call in (
-                    lambda: c.generate(prompt="hi", max_new_tokens=2, timeout=TIMEOUT),
-                    lambda: list(c.stream(prompt="hi", max_new_tokens=2, timeout=TIMEOUT)),
-                ):
-                    with pytest.raises(grpc.RpcError) as err:
-                        call()
-                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with Client(running.target, token="s3cret") as c:
-            assert c.generate(prompt="hi", max_new_tokens=2, timeout=TIMEOUT).usage.completion_tokens == 2
-        assert health_status(running.target) == health_pb2.HealthCheckResponse.SERVING  # probes need no token
-    finally:
-        running.stop()
-
-
-def self_signed_cert(folder: Path) -> tuple[Path, Path]:
-    """A key and a certificate for `localhost`, valid for a day."""
-    key, cert = folder / "key.pem", folder / "cert.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return key, cert
-
-
-def test_tls(tiny_qwen3_ir, tmp_path):
-    key, cert = self_signed_cert(tmp_path)
-    running = Running(base_config(tiny_qwen3_ir, tls_cert=str(cert), tls_key=str(key), host="localhost"))
-    try:
-        with Client(f"localhost:{running.server.port}", root_certificates=cert.read_bytes()) as c:
-            assert c.generate(prompt="hi", max_new_tokens=3, timeout=TIMEOUT).usage.completion_tokens == 3
-        with Client(f"localhost:{running.server.port}") as plain, pytest.raises(grpc.RpcError):
-            plain.generate(prompt="hi", max_new_tokens=3, timeout=5)
-    finally:
-        running.stop()
+def test_tls(secure_server):
+    target, cert, token = secure_server.grpc_target, secure_server.cert, secure_server.token
+    with Client(target, token=token, root_certificates=cert.read_bytes()) as c:
+        assert c.generate(prompt="hi", max_new_tokens=3, timeout=TIMEOUT).usage.completion_tokens == 3
+    with Client(target, token=token) as plain, pytest.raises(grpc.RpcError):
+        plain.generate(prompt="hi", max_new_tokens=3, timeout=5)
 
 
 @pytest.mark.slow
@@ -478,28 +340,9 @@ def test_sigterm_drains_in_flight_streams(tiny_qwen3_ir):
         proc.kill()
 
 
-# gRPC on any free port; metrics and the HTTP API off
-PORTS = ("--port", "0", "--metrics-port", "0", "--http-port", "0")
-
-
-def start_process(module: str, model: Path, *args: str) -> tuple[subprocess.Popen, int]:
-    """`python -m module --model model` on a free port; returns once it serves, with its port."""
-    env = {**os.environ, "OVSERVE_KV_CACHE_GB": "0.05"}
-    command = [sys.executable, "-m", module, "--model", str(model), *PORTS, *args]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    port = None
-    for line in proc.stderr:
-        if "listening on" in line:
-            port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
-        if "serving" in line and port:
-            return proc, port
-    proc.kill()
-    raise AssertionError(f"the server did not start (exit {proc.wait()})")
-
-
 @pytest.mark.slow
 def test_dead_engine_fails_everything_reports_not_serving_and_exits_non_zero(tiny_qwen3_ir):
-    proc, port = start_process("tests.kill_engine_server", tiny_qwen3_ir, "--max-num-seqs", "1")
+    proc, port = start_process("tests.support.kill_engine_server", tiny_qwen3_ir, "--max-num-seqs", "1")
     target = f"127.0.0.1:{port}"
     try:
         statuses: list[int] = []
@@ -538,44 +381,43 @@ def _until_closed(stream):
         return
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def metric_samples(port: int) -> dict[str, float]:
+    """Every sample the metrics port serves, by name with its labels: `name{label="value"}` or `name`."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln.startswith("ovserve_"))}
 
 
-def test_metrics_endpoint(tiny_qwen3_ir):
-    port = free_port()
-    running = Running(replace(base_config(tiny_qwen3_ir), metrics_port=port))
-    try:
-        with Client(running.target, timeout=TIMEOUT) as c:
-            list(c.stream(prompt="count me", max_new_tokens=4, ignore_eos=True))
-            with pytest.raises(grpc.RpcError):
-                c.generate(prompt="")
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        for needle in (
-            'ovserve_requests_total{code="OK",rpc="GenerateStream"} 1.0',
-            'ovserve_requests_total{code="INVALID_ARGUMENT",rpc="Generate"} 1.0',
-            "ovserve_time_to_first_token_seconds_count 1.0",
-            "ovserve_inter_token_latency_seconds_count 3.0",
-            "ovserve_request_latency_seconds_count 2.0",
-            "ovserve_queue_time_seconds_count 1.0",
-            "ovserve_running_requests 0.0",
-            "ovserve_waiting_requests 0.0",
-            "ovserve_kv_cache_usage_ratio",
-            "ovserve_prefix_cache_hit_ratio",
-            "ovserve_preemptions_total",
-            "ovserve_prompt_tokens_total",
-            "ovserve_spec_verify_steps_total 0.0",
-            "ovserve_grammar_mask_wait_seconds_total 0.0",
-            "ovserve_step_shape_changes_total",
-            "ovserve_padded_steps_total",
-        ):
-            assert needle in text, needle
-        counters = dict(
-            line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("ovserve_") and "{" not in line
-        )
-        assert float(counters["ovserve_generated_tokens_total"]) >= 4
-        assert float(counters["ovserve_prompt_tokens_total"]) >= 2
-    finally:
-        running.stop()
+def test_metrics_endpoint(server):
+    """What one streamed request and one refused request add to the metrics (a shared server: differences)."""
+    port = server.server.config.metrics_port
+    wait_idle(server.engine)
+    before = metric_samples(port)
+    with Client(server.target, timeout=TIMEOUT) as c:
+        list(c.stream(prompt="count me", max_new_tokens=4, ignore_eos=True))
+        with pytest.raises(grpc.RpcError):
+            c.generate(prompt="")
+    after = metric_samples(port)
+    added = {name: value - before.get(name, 0.0) for name, value in after.items()}
+    for name, value in (
+        ('ovserve_requests_total{code="OK",rpc="GenerateStream"}', 1.0),
+        ('ovserve_requests_total{code="INVALID_ARGUMENT",rpc="Generate"}', 1.0),
+        ("ovserve_time_to_first_token_seconds_count", 1.0),
+        ("ovserve_inter_token_latency_seconds_count", 3.0),
+        ("ovserve_request_latency_seconds_count", 2.0),
+        ("ovserve_queue_time_seconds_count", 1.0),
+        ("ovserve_spec_verify_steps_total", 0.0),
+        ("ovserve_grammar_mask_wait_seconds_total", 0.0),
+    ):
+        assert added[name] == value, name
+    assert (after["ovserve_running_requests"], after["ovserve_waiting_requests"]) == (0.0, 0.0)
+    for name in (
+        "ovserve_kv_cache_usage_ratio",
+        "ovserve_prefix_cache_hit_ratio",
+        "ovserve_preemptions_total",
+        "ovserve_prompt_tokens_total",
+        "ovserve_step_shape_changes_total",
+        "ovserve_padded_steps_total",
+    ):
+        assert name in after, name
+    assert added["ovserve_generated_tokens_total"] >= 4
+    assert added["ovserve_prompt_tokens_total"] >= 2

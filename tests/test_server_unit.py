@@ -17,14 +17,15 @@ from service.client import Client, build_request
 from service.config import ServerConfig, parse_args
 from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, Usage
 from service.core.params import SamplingParams
-from service.engine import ModelInfo
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, QueueFull, Unavailable
 from service.metrics import Metrics, TokenClock
 from service.process import Server, start_server
 from service.rpc.front import authorized
 from service.rpc.status import status_details, status_of
 from service.rpc.wire import generation_request, sampling_params, stream_response, tokenize_ids, unary_response
-from tests.conftest import ROOT
+from tests.support.fakes import INFO, FakeEngine, FakeTokenizer, LoopThread
+from tests.support.paths import ROOT
+from tests.support.servers import free_port, self_signed_cert
 
 TIMEOUT = 30
 
@@ -71,28 +72,6 @@ def test_every_field_reaches_sampling_params():
         True,
         True,
     )
-
-
-class FakeTokenizer:
-    vocab_size = 100
-    eos_token_ids = (2,)
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 100 for c in text]
-
-    def decode(self, ids) -> str:
-        return "".join(chr(65 + i % 26) for i in ids)
-
-    def encode_chat(self, messages, tools=None) -> list[int]:
-        return self.encode(self.apply_chat_template(messages))
-
-    def apply_chat_template(self, messages) -> str:
-        if not messages:
-            raise InvalidArgument("messages", "must contain at least one message")
-        for i, m in enumerate(messages):
-            if m["role"] not in ("system", "user", "assistant", "tool"):
-                raise InvalidArgument(f"messages[{i}].role", f"unknown role {m['role']!r}")
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
 def prompt_input(tokenizer, request):
@@ -201,7 +180,6 @@ def test_authorized():
 def test_a_tls_key_that_is_not_the_certificates_is_named_at_start(tmp_path):
     # gRPC only said "Failed to bind to address" (the cause in a C-core log line before it)
     from service.rpc.front import check_key_pair
-    from tests.test_server import self_signed_cert
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -268,7 +246,6 @@ def test_a_server_that_cannot_start_says_why_and_frees_its_ports(caplog):
     import socket
 
     from service.process import run as serve
-    from tests.test_server import free_port
 
     taken = socket.create_server(("127.0.0.1", 0))
     grpc_port, http_port = free_port(), free_port()
@@ -291,7 +268,6 @@ def test_the_metrics_port_cuts_off_idle_clients_and_caps_their_threads(monkeypat
     import httpx
 
     from service.metrics import MetricsHandler, MetricsServer
-    from tests.test_server import free_port
 
     monkeypatch.setattr(MetricsHandler, "timeout", 0.5)
     monkeypatch.setattr(MetricsHandler, "lifetime", 1.0)
@@ -393,75 +369,6 @@ def test_every_proto_field_is_documented():
 
 
 # -- a real gRPC server around a fake engine -------------------------------------------------------------
-INFO = ModelInfo("fake", "/nowhere", 64, 64, 100, (2,), 1, 1024, 4, 16, 2, 64)
-
-
-class FakeEngine:
-    """Emits one token per 10 ms; a prompt starting with token 99 makes generate() raise a plain bug."""
-
-    def __init__(self) -> None:
-        self.tokenizer = FakeTokenizer()
-        self.info = INFO
-        self.started = threading.Event()
-        self.release = threading.Event()
-        self.live: set[str] = set()
-        self.shut_down = False
-        self.alive = True
-
-    def on_death(self, listener) -> None:
-        pass
-
-    def start(self) -> None:
-        self.release.wait(TIMEOUT)
-        self.started.set()
-
-    def shutdown(self) -> None:
-        self.shut_down = True
-
-    def stats(self):
-        from service.engine import EngineStats
-
-        return EngineStats(num_running=len(self.live), num_total_blocks=4, num_free_blocks=4 - len(self.live))
-
-    async def generate(self, asked):
-        ids, params, request_id = asked.prompt_token_ids, asked.params, asked.request_id
-        if ids[0] == 99:
-            raise ZeroDivisionError("a bug")
-        params.validate(INFO.max_new_tokens_limit, INFO.vocab_size)
-        self.live.add(request_id)
-        try:
-            for i in range(params.max_new_tokens):
-                await asyncio.sleep(0.01)
-                last = i == params.max_new_tokens - 1
-                yield RequestOutput(
-                    request_id,
-                    (i,),
-                    self.tokenizer.decode([i]),
-                    finish_reason=FinishReason.LENGTH if last else None,
-                    usage=Usage(len(ids), i + 1, 0) if last else None,
-                    timings=Timings(0.0, 0.01, 0.01 * i, 0.01 * (i + 1)) if last else None,
-                )
-        finally:
-            self.live.discard(request_id)
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = TIMEOUT):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def spawn(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 def health(target: str) -> int:
     with grpc.insecure_channel(target) as channel:
         request = health_pb2.HealthCheckRequest(service="")

@@ -10,21 +10,10 @@ import pytest
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.client import Client
-from tests.conftest import ROOT
-from tests.test_grammar import SCHEMAS
-from tests.test_server import TIMEOUT, Running, base_config, wait_idle
+from tests.support.engine import PRECISION, assert_no_blocks_held, collect, prompts
+from tests.support.schemas import SCHEMAS, WEATHER
+from tests.support.servers import TIMEOUT, Running, base_config, wait_idle
 
-TEMPLATE = str(ROOT / "templates/qwen3-instruct-2507.jinja")
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [
     pb.Tool(name="get_weather", description="The weather forecast of a city", parameters=json.dumps(WEATHER)),
     pb.Tool(name="get_time", description="The local time of a city"),
@@ -32,26 +21,21 @@ TOOLS = [
 ASK = [{"role": "user", "content": "Answer in JSON."}]
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_qwen3_ir):
-    running = Running(base_config(tiny_qwen3_ir, max_num_seqs=8, chat_template=TEMPLATE))
-    yield running
-    running.stop()
+@pytest.fixture
+def tiny(tools_server):
+    return tools_server  # the real Qwen3-4B-Instruct-2507 template: it renders tools
 
 
-@pytest.fixture(scope="module")
-def smol(smollm2_ir):
-    # no prefix cache: a seeded request asked twice computes the same steps (a cached prefix leaves a
-    # shorter last step, whose int8 kernels may round a near tie differently)
-    running = Running(base_config(smollm2_ir, max_num_seqs=8, enable_prefix_caching=False))
-    yield running
-    running.stop()
+@pytest.fixture
+def smol(smol_server):
+    return smol_server  # no prefix cache: a seeded request asked twice computes the same steps
 
 
 def schema_format(schema) -> pb.ResponseFormat:
     return pb.ResponseFormat(json_schema=pb.JsonSchema(schema=json.dumps(schema), name="reply"))
 
 
+@pytest.mark.model  # its server is asked for at run time
 @pytest.mark.parametrize("model", ["tiny", "smol"])
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
 def test_schema_constrained_replies_validate(request, model, temperature):
@@ -300,7 +284,6 @@ def test_preempted_constrained_requests_resume_in_their_grammar(tiny_qwen3_fp16_
     from service.core.grammar import ResponseFormat
     from service.core.params import SamplingParams
     from service.engine import Engine, EngineConfig
-    from tests.test_engine import PRECISION, assert_no_blocks_held, collect, prompts
 
     fmt = ResponseFormat.regex("[a-z ]{80}")
     params = SamplingParams(max_new_tokens=120)

@@ -10,7 +10,7 @@ from service.core.grammar import GrammarCompiler
 from service.core.tools import Mode, ReplyParser, Tool, ToolChoice, Tools
 from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 TEMPLATE = ROOT / "templates/qwen3-instruct-2507.jinja"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

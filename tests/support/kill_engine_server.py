@@ -1,5 +1,5 @@
-"""`python -m tests.kill_engine_server --model DIR ...`: the real `python -m service`, except that its engine
-thread dies (an exception no step handler catches escapes its loop) as soon as a request labelled
+"""`python -m tests.support.kill_engine_server --model DIR ...`: the real `python -m service`, except that its
+engine thread dies (an exception no step handler catches escapes its loop) as soon as a request labelled
 `kill-engine` is queued. Only for the dead-engine test."""
 
 import sys
