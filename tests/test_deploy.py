@@ -18,6 +18,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
+from deploy import lb
 from tests.support.kustomize import DEPLOY, K8S_VERSIONS, build, build_kubectl, build_lite, kubectl, one
 from tests.support.paths import ROOT
 
@@ -28,12 +29,14 @@ ENV_HTTP_PORT = "OVSERVE_HTTP_PORT"
 ENV_THREADS = "OVSERVE_THREADS"
 ENV_KV_CACHE_GB = "OVSERVE_KV_CACHE_GB"
 ENV_DRAIN_GRACE = "OVSERVE_DRAIN_GRACE_SECONDS"
+ENV_DRAIN_DELAY = "OVSERVE_DRAIN_DELAY_SECONDS"
 ENV_MODEL = "OVSERVE_MODEL"
 ENV_HOST = "OVSERVE_HOST"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_DRAIN_GRACE = 30.0
+DEFAULT_DRAIN_DELAY = 2.0
 SERVER_MODULE = "service"
 CONVERT_MODULE = "convert"
 MODEL_MOUNT = "/models"
@@ -289,8 +292,17 @@ def test_selectors_match_pod_labels(name):
 def test_grace_period_covers_prestop_and_drain(name):
     docs = build(name)
     drain = float(config(docs).get(ENV_DRAIN_GRACE, DEFAULT_DRAIN_GRACE))
+    delay = float(config(docs).get(ENV_DRAIN_DELAY, DEFAULT_DRAIN_DELAY))
     grace = pod_spec(docs)["terminationGracePeriodSeconds"]
-    assert grace >= prestop_seconds(server(docs)) + drain + SHUTDOWN_MARGIN_S
+    assert grace >= prestop_seconds(server(docs)) + delay + drain + SHUTDOWN_MARGIN_S
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_the_drain_delay_covers_the_routing_recipes_health_checks(name):
+    # a replica that turns NOT_SERVING keeps serving until the balancers' checks (deploy/lb.py) have seen it
+    pool = lb.Pool(dns_name="x")
+    seen_within = (pool.check_interval_ms + pool.check_timeout_ms) / 1000
+    assert float(config(build(name)).get(ENV_DRAIN_DELAY, DEFAULT_DRAIN_DELAY)) >= seen_within
 
 
 @pytest.mark.parametrize("name", BUILDS)

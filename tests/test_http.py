@@ -434,8 +434,8 @@ def test_auth_and_tls(secure_server):
 
 def test_both_fronts_load_serve_and_drain_together(tiny_qwen3_ir):
     """Readiness is decided once: gRPC health and HTTP /ready agree while loading (NOT_SERVING, 503, requests
-    refused as UNAVAILABLE and 503), once loaded, and while draining, when the streams in flight on both fronts
-    finish and new requests are refused."""
+    refused as UNAVAILABLE and 503), once loaded, and while draining: not ready at once, new requests still
+    served for the drain delay, then refused, while the streams in flight on both fronts finish."""
     port = free_port()
     running = Running(base_config(tiny_qwen3_ir, http_port=port, drain_grace_seconds=30), load=False)
     url = f"http://127.0.0.1:{port}"
@@ -464,17 +464,31 @@ def test_both_fronts_load_serve_and_drain_together(tiny_qwen3_ir):
             next(grpc_stream)
             http_stream = iter(chat(sdk, model, stream=True, max_tokens=200, extra_body={"ignore_eos": True}))
             next(http_stream)
-            draining = asyncio.run_coroutine_threadsafe(running.server.drain(), running.loop)
-            deadline = time.time() + 10  # drain runs on the server's loop; give it a moment to flip health
+            delay = 4.0  # --drain-delay-seconds: not ready at once, still serving until the balancers catch up
+            draining = asyncio.run_coroutine_threadsafe(running.server.drain(delay_seconds=delay), running.loop)
+            started = time.time()
+            deadline = started + 10  # drain runs on the server's loop; give it a moment to flip health
             while health_status(running.target) != not_serving:
                 assert time.time() < deadline, "health still SERVING while draining"
                 time.sleep(0.02)
             while httpx.get(url + "/ready").status_code != 503:
                 assert time.time() < deadline, "still ready while draining"
                 time.sleep(0.02)
-            with pytest.raises(grpc.RpcError) as err:
-                c.generate(prompt="hi", timeout=TIMEOUT)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+            # within the delay, new requests on both fronts are still served
+            assert (
+                c.generate(prompt="hi", max_new_tokens=2, ignore_eos=True, timeout=TIMEOUT).usage.completion_tokens == 2
+            )
+            assert chat(sdk, model, max_tokens=2, extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+            assert time.time() - started < delay, "the machine was too slow to see the delay"
+            refused = False
+            while not refused:  # after it, they are refused
+                assert time.time() < deadline + delay, "still taking new requests after the drain delay"
+                try:
+                    c.generate(prompt="hi", max_new_tokens=1, timeout=TIMEOUT)
+                    time.sleep(0.05)
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+                    refused = True
             with pytest.raises(openai.InternalServerError) as err:
                 chat(sdk, model, max_tokens=2)
             assert "draining" in err.value.body["message"]

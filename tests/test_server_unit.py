@@ -241,7 +241,15 @@ def test_allowed_hosts_are_names_and_a_loopback_server_answers_only_them_localho
     assert listed == [True, True, True, True, True, False, False, True, False, True, False, False, False]
 
 
-def test_a_server_that_cannot_start_says_why_and_frees_its_ports(caplog):
+def model_folder(folder) -> str:
+    """A folder that passes the start's model check (the model is never loaded in these tests)."""
+    for name in ("config.json", "generation_config.json", "manifest.json"):
+        (folder / name).write_text("{}")
+    (folder / "openvino_model.xml").write_text("<net/>")
+    return str(folder)
+
+
+def test_a_server_that_cannot_start_says_why_and_frees_its_ports(caplog, tmp_path):
     # a taken metrics port failed after gRPC had started and the HTTP port was bound: both stayed taken
     import socket
 
@@ -249,14 +257,57 @@ def test_a_server_that_cannot_start_says_why_and_frees_its_ports(caplog):
 
     taken = socket.create_server(("127.0.0.1", 0))
     grpc_port, http_port = free_port(), free_port()
-    config = ServerConfig(model="m", port=grpc_port, http_port=http_port, metrics_port=taken.getsockname()[1])
+    metrics_port = taken.getsockname()[1]
+    config = ServerConfig(model=model_folder(tmp_path), port=grpc_port, http_port=http_port, metrics_port=metrics_port)
     try:
-        assert asyncio.run(serve(config)) == 1
+        assert asyncio.run(serve(config)) == 2  # a mistake in how it was started
     finally:
         taken.close()
-    assert "cannot start" in caplog.text
+    # one line naming the address, the flag and the variable that change it
+    assert f"cannot start: cannot listen on 127.0.0.1:{metrics_port} (Address already in use)" in caplog.text
+    assert "--metrics-port or OVSERVE_METRICS_PORT" in caplog.text
     for port in (grpc_port, http_port):
         socket.create_server(("127.0.0.1", port)).close()  # free again
+
+
+@pytest.mark.parametrize("which", ["port", "http_port"])
+def test_a_taken_port_is_named_with_its_flag(caplog, tmp_path, which):
+    import socket
+
+    from service.process import run as serve
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    ports = {"port": free_port(), "http_port": free_port(), "metrics_port": 0} | {which: taken.getsockname()[1]}
+    try:
+        assert asyncio.run(serve(ServerConfig(model=model_folder(tmp_path), **ports))) == 2
+    finally:
+        taken.close()
+    flag = "--" + which.replace("_", "-")
+    assert f"cannot listen on 127.0.0.1:{ports[which]}" in caplog.text and flag in caplog.text
+    assert "Traceback" not in caplog.text
+
+
+def test_a_model_folder_without_a_model_is_named_before_any_port_is_bound(caplog, tmp_path):
+    from service.process import run as serve
+
+    port = free_port()
+    assert asyncio.run(serve(ServerConfig(model=str(tmp_path), port=port, http_port=0, metrics_port=0))) == 2
+    assert f"cannot start: --model {tmp_path}: {tmp_path} holds no openvino_model.xml" in caplog.text
+    assert "listening" not in caplog.text
+
+
+def test_version_and_grouped_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ovserve ") and "OpenVINO 2026" in out
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    for group in ("model:", "serving:", "security:", "engine:", "cache:", "speculation:"):
+        assert "\n" + group in text
+    assert "(default 50051; env OVSERVE_PORT)" in " ".join(text.split())
 
 
 # -- metrics port ----------------------------------------------------------------------------------------

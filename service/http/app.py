@@ -318,10 +318,9 @@ class Api:
 
     async def ready(self, request: Request) -> Response:
         """503 while the model loads, while draining and once the engine stopped: take this replica out."""
-        try:
-            self.serving.require_engine()
-        except Exception as exc:
-            return JSONResponse(error_body(exc), status_of(exc).code)
+        reason = self.serving.unready()
+        if reason is not None:
+            return JSONResponse(error_body(reason), status_of(reason).code)
         return JSONResponse({"status": "ready"})
 
     async def playground(self, request: Request) -> Response:

@@ -222,12 +222,16 @@ class GrpcFront:
         address = f"{config.host}:{config.port}"
         if config.tls_cert and config.tls_key:
             check_key_pair(config.tls_cert, config.tls_key)
-            key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
-            self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if config.tls_cert and config.tls_key:
+                key, cert = Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes()
+                self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc says only that it failed
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot bind {address}")
+            raise OSError("the address is in use or not available")
 
     async def start(self) -> None:
         await self.health.publish(False)

@@ -33,7 +33,18 @@ class Serving:
 
     @property
     def ready(self) -> bool:
-        return not (self.leaving or self.draining) and self.engine is not None and self.engine.alive
+        return self.unready() is None
+
+    def unready(self) -> Unavailable | None:
+        """Why this replica should get no new work (health NOT_SERVING, /ready 503), or None when ready. While
+        leaving it still serves what reaches it (require_engine), but says it is not ready."""
+        if self.leaving and not self.draining:
+            return Unavailable("the server is shutting down; it still serves requests that reach it for a moment")
+        try:
+            self.require_engine()
+        except Unavailable as exc:
+            return exc
+        return None
 
     def on_change(self, listener: Callable[[bool], None]) -> None:
         """Call listener(ready) on the event loop whenever readiness may have changed (pushed health watches)."""

@@ -69,7 +69,9 @@ def base_config(model: Path, **kw) -> ServerConfig:
     engine_fields = {f.name for f in fields(EngineConfig)}
     defaults = {"kv_cache_gb": 0.05, "max_num_batched_tokens": 128, "inference_precision": "f32"}
     engine = EngineConfig(**defaults | {k: v for k, v in kw.items() if k in engine_fields})
-    server = {"port": 0, "metrics_port": 0, "http_port": 0} | {k: v for k, v in kw.items() if k not in engine_fields}
+    # no drain delay: tests that drain see refusals at once (test_server's drain test covers the delay)
+    server = {"port": 0, "metrics_port": 0, "http_port": 0, "drain_delay_seconds": 0.0}
+    server |= {k: v for k, v in kw.items() if k not in engine_fields}
     return ServerConfig(model=str(model), engine=engine, **server)
 
 
@@ -131,7 +133,7 @@ PORTS = ("--port", "0", "--metrics-port", "0", "--http-port", "0")
 
 def start_process(module: str, model: Path, *args: str) -> tuple[subprocess.Popen, int]:
     """`python -m module --model model` on a free port; returns once it serves, with its port."""
-    env = {**os.environ, "OVSERVE_KV_CACHE_GB": "0.05"}
+    env = {**os.environ, "OVSERVE_KV_CACHE_GB": "0.05", "OVSERVE_DRAIN_DELAY_SECONDS": "0"}
     command = [sys.executable, "-m", module, "--model", str(model), *PORTS, *args]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     port = None
