@@ -526,3 +526,16 @@ def test_streamed_completion_logprobs_give_the_offsets_of_the_whole_response(sdk
             break
     else:
         pytest.fail(f"none of {len(requests)} replies had a token ending inside a character: the case was not tested")
+
+
+def test_metrics_on_the_api_port_and_the_ready_line(server, sdk, model, caplog):
+    """The metrics page is served on the API's port too (as vLLM's, llama.cpp's and OVMS's), without a token;
+    the last line of a start names the model, every address and the versions."""
+    chat(sdk, model, **GREEDY)
+    page = httpx.get(server.url + "/metrics", timeout=TIMEOUT)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+    assert 'ovserve_http_requests_total{endpoint="chat.completions",status="200"}' in page.text
+    line = server.server.ready_line(server.engine)
+    for place in (f"gRPC 127.0.0.1:{server.server.port}", f"OpenAI API {server.url}/v1", f"playground {server.url}/"):
+        assert place in line
+    assert "ovserve " in line and "OpenVINO 20" in line

@@ -235,6 +235,20 @@ def test_auto_none_and_tool_results_in_the_conversation(tiny):
             model=model, messages=ASK, tools=[{"type": "function", "function": {"name": "a b"}}]
         )
     assert err.value.body["param"] == "tools[0].function.name"
+    # a schema that does not compile is named at its own tool, not as the reply's whole grammar
+    unsatisfiable = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}},
+        "required": ["x"],
+    }
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=[TOOLS[0], {"type": "function", "function": {"name": "odd", "parameters": unsatisfiable}}],
+        )
+    assert err.value.body["param"] == "tools[1].function.parameters", err.value.body
+    assert "lark" not in err.value.body["message"]
 
 
 def test_the_readme_examples_run(tiny):
