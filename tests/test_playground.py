@@ -113,3 +113,32 @@ def test_stop_aborts_a_long_reply_on_the_server(page, server):
     assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
     assert s.num_generated_tokens < 3000  # aborted, not finished
     assert page.find_element("id", "send").is_enabled() and not page.find_element("id", "stop").is_enabled()
+
+
+def test_clear_during_a_reply_aborts_it_and_keeps_it_out_of_the_next_conversation(page, server):
+    fill(page, max_tokens=3000, ignore_eos=True)
+    send(page, "Tell me a very long story")
+    wait_for(lambda: replies(page) and len(replies(page)[-1].find_element("class name", "content").text) > 20)
+    page.find_element("id", "clear").click()
+    s = wait_idle(server.engine)
+    assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)  # aborted on the server
+    assert page.find_elements("css selector", ".message") == []
+    time.sleep(0.5)  # the aborted reply's last steps have run in the page
+    assert page.execute_script("return history.length") == 0
+    fill(page, max_tokens=4)
+    send(page, "Hi")
+    wait_for(lambda: replies(page) and replies(page)[-1].find_element("class name", "stats").text)
+    assert page.execute_script("return history.map(m => m.role)") == ["user", "assistant"]
+
+
+def test_a_page_opened_while_the_model_loads_recovers_by_itself(browser, tiny_qwen3_ir):
+    from tests.support.servers import Running, base_config, free_port
+
+    running = Running(base_config(tiny_qwen3_ir, http_port=free_port()), load=False)
+    try:
+        browser.get(f"http://127.0.0.1:{running.server.http.port}/")
+        wait_for(lambda: "loading" in browser.find_element("id", "model").text)
+        running.call(running.server.load())
+        wait_for(lambda: browser.find_element("id", "model").text == running.engine.info.model_id)
+    finally:
+        running.stop()
