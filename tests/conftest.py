@@ -38,17 +38,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not session.config.option.collectonly:
-        models.start({name for item in session.items for name in MODEL_FIXTURES.intersection(item.fixturenames)})
+        used = (MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())) for item in session.items)
+        models.start(set().union(*used))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     models.stop()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> None:
-    """A model asked for at run time (request.getfixturevalue) is not in the closure the marker reads: such a
-    test must carry the marker itself, or the unit run would build models and servers."""
-    item = getattr(request, "_pyfuncitem", None)
-    if fixturedef.argname in MODEL_FIXTURES and item is not None and item.get_closest_marker("model") is None:
-        raise pytest.UsageError(f"{item.nodeid} uses {fixturedef.argname} at run time: mark it @pytest.mark.model")

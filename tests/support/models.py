@@ -5,6 +5,7 @@ so `make test-unit` (-m "not model") leaves it out. Once the run's tests are kno
 converted one after another on a background thread (`start`), while the tests that need none run first
 (conftest orders them so); a fixture waits for its model."""
 
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -62,34 +63,43 @@ def stop() -> None:
     _builder.shutdown(wait=False, cancel_futures=True)
 
 
-def model(name: str) -> Path:
+def model(name: str, request: pytest.FixtureRequest) -> Path:
+    """The model, once converted. A test that asks for one at run time (request.getfixturevalue) is not marked
+    from its fixtures: it must carry the marker itself, or the unit run would build models and servers. The unit
+    run fails it; a whole run only warns (a failed session fixture would fail every later test using it)."""
+    item = getattr(request, "_pyfuncitem", None)
+    if item is not None and item.get_closest_marker("model") is None:
+        message = f"{item.nodeid} asks for {name} at run time: mark it @pytest.mark.model"
+        if "model" in item.config.option.markexpr:
+            raise pytest.UsageError(message)
+        warnings.warn(pytest.PytestWarning(message), stacklevel=1)
     start({name})
     return _built[name].result()
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_hf() -> Path:
-    return model("tiny_qwen3_hf")
+def tiny_qwen3_hf(request) -> Path:
+    return model("tiny_qwen3_hf", request)
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_ir(tiny_qwen3_hf) -> Path:
-    return model("tiny_qwen3_ir")
+def tiny_qwen3_ir(tiny_qwen3_hf, request) -> Path:
+    return model("tiny_qwen3_ir", request)
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_fp16_ir(tiny_qwen3_hf) -> Path:
+def tiny_qwen3_fp16_ir(tiny_qwen3_hf, request) -> Path:
     """Uncompressed weights: int8 kernels round a many-token prefill and a one-token decode differently,
     which flips near-tied argmaxes of a random model; exact token comparisons use this IR."""
-    return model("tiny_qwen3_fp16_ir")
+    return model("tiny_qwen3_fp16_ir", request)
 
 
 @pytest.fixture(scope="session")
-def smollm2_ir() -> Path:
-    return model("smollm2_ir")
+def smollm2_ir(request) -> Path:
+    return model("smollm2_ir", request)
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_int4_ir(tiny_qwen3_hf) -> Path:
+def tiny_qwen3_int4_ir(tiny_qwen3_hf, request) -> Path:
     """4-bit weights (NNCF int4_asym, group size 128, on the layers it can group; int8 on the rest)."""
-    return model("tiny_qwen3_int4_ir")
+    return model("tiny_qwen3_int4_ir", request)
