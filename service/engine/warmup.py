@@ -1,0 +1,72 @@
+"""The engine's warm-up, before it serves: a first step on each compiled copy (checking the logits are finite),
+and with speculation on by default, the draft policy's table of step times."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import numpy as np
+
+from service.core.config import EngineConfig
+from service.core.spec import StepTimes
+from service.engine.inputs import verify_inputs
+from service.engine.runner import BF16_PIECE_TOKENS, ModelRunner, StepInput
+
+log = logging.getLogger(__name__)
+
+# Larger steps the table holds besides 1 to K + 1 tokens: several requests' steps reach them
+LARGER_STEPS = (16, 24, 32, 48, 64)
+# The context of the warm-up's draft steps: draft rows each read it, so a short one would price them low
+CONTEXT = 128
+
+
+def check_logits(runner: ModelRunner, config: EngineConfig) -> None:
+    """A first step on each compiled copy, from position 0 on the first blocks (no request has any yet): a prompt
+    of more than BF16_PIECE_TOKENS tokens (the bf16 copy, where there is one), 8 of its tokens (the main copy)
+    and one more token (the single-token copy, whose weights the CPU plugin packs on first use: not on a user's
+    first token). A model whose logits are not all finite cannot serve: f16 activations gave NaN for every
+    logit of SmolLM2 int8 on a CPU without native f16."""
+    length = min(BF16_PIECE_TOKENS + 1, runner.num_blocks * runner.block_size - 1)
+    prompt = [1 + i % min(1000, runner.vocab_size - 1) for i in range(length)]
+    blocks = list(range(-(-(length + 1) // runner.block_size)))
+    for tokens, start in ((prompt, 0), (prompt[:8], 0), (prompt[8:9], 8)):
+        logits = runner.execute([StepInput(tokens, start, blocks, 1)])
+        if not np.isfinite(logits).all():
+            raise ValueError(
+                f"the model's logits are not finite (NaN or inf) with activations in {runner.activation_precision} "
+                f"on this CPU: inference_precision {config.inference_precision!r} cannot serve this model here; use "
+                f"'auto' or 'f32'"
+            )
+
+
+def measure_step_times(
+    runner: ModelRunner, config: EngineConfig, draft_rows: bool, table: StepTimes, repeats: int = 3
+) -> None:
+    """Fill the draft policy's table: a lone request feeding its last token and 0 to K drafts, and a few larger
+    steps, every logits row wanted as drafts want them (as draft rows or one sequence, as the engine feeds a lone
+    request's drafts), at a context of CONTEXT tokens. Each size: one unmeasured step (it prepares the kernels of
+    its new shape), then the median of `repeats`."""
+    capacity = runner.num_blocks * runner.block_size
+    sizes = sorted({*range(1, config.speculative_tokens + 2), *LARGER_STEPS})
+    sizes = [n for n in sizes if n <= config.max_num_batched_tokens and n < capacity - 1]
+    if not sizes:
+        return
+    context = max(1, min(CONTEXT, capacity - max(sizes) - 1))
+    blocks = list(range(-(-(context + max(sizes)) // runner.block_size)))
+    measured = {}
+    for n in sizes:
+        inputs = verify_inputs([0] * n, context, blocks, draft_rows)
+        times = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            runner.execute(inputs)
+            if i:
+                times.append(time.perf_counter() - start)
+        measured[n] = statistics.median(times)
+    table.set(measured)
+    log.info(
+        "speculative decoding: steps take %s ms by tokens",
+        ", ".join(f"{n}: {1000 * s:.1f}" for n, s in table.seconds.items()),
+    )
