@@ -37,21 +37,21 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
     if stage == "schedule":
         real_schedule = core.scheduler.schedule
 
-        def schedule(keeps_shape=None):
+        def schedule():
             if poisoned(core.scheduler.waiting) or poisoned(core.scheduler.running):
                 raise RuntimeError("injected planning failure")
-            return real_schedule(keeps_shape)
+            return real_schedule()
 
         monkeypatch.setattr(core.scheduler, "schedule", schedule)
     elif stage == "execute":
-        real_execute = core.runner.execute
+        real_step = core.runner.step
 
-        def execute(seqs, shape=None):
+        def step(seqs):
             if any(list(s.token_ids[:1]) == [POISON] and s.past_len == 0 for s in seqs):
                 raise RuntimeError("injected runner failure")
-            return real_execute(seqs, shape)
+            return real_step(seqs)
 
-        monkeypatch.setattr(core.runner, "execute", execute)
+        monkeypatch.setattr(core.runner, "step", step)
     elif stage == "sample":
         real_sample = engine_core.sample
 
