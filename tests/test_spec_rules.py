@@ -325,10 +325,9 @@ def test_expected_tokens_follow_the_recorded_runs():
 def test_drafts_pay_when_the_step_is_small_or_they_are_likely_kept():
     """k drafts for a request whose steps yield E(k) tokens raise the step's rate from produced / cost(T) to
     (produced + E(k) - 1) / cost(T + k): the policy takes the k that maximizes it (here the prior line, F = 8)."""
-    policy = DraftPolicy(8, StepTimes(8))
 
-    def best(stats: DraftStats, tokens: int, produced: int, limit: int = 5) -> int:
-        return policy.choose([(stats, limit)], StepLoad(tokens, tokens, produced))[0]
+    def best(stats: DraftStats, tokens: int, produced: int, limit: int = 5) -> int:  # no step before to keep
+        return DraftPolicy(8, StepTimes(8)).choose([(stats, limit)], StepLoad(tokens, tokens, produced))[0]
 
     assert best(runs_of(*[8] * 10), 1, 1) == 5  # one stream copying its input: every draft pays
     assert best(runs_of(*[0] * 10), 1, 1) == 0  # guesses that miss never pay
@@ -350,6 +349,51 @@ def test_each_requests_rows_are_priced_after_those_chosen_before_it():
     assert policy.choose([(copying, 5), (copying, 5)], StepLoad(2, 2, 2)) == [4, 0]
     assert policy.choose([(copying, 5)], StepLoad(1, 1, 1)) == [5]
     assert policy.speculates(8) and not policy.speculates(9)  # more running requests than max_sequences: none
+
+
+def test_a_step_keeps_its_rows_unless_a_change_pays():
+    """A step of other rows than the one before costs a change of shape: a request takes a number of drafts that
+    changes them only when what the switch saves over HORIZON steps exceeds two changes (drafts come and go with
+    the matches, so a switch is undone before long), or once the steps kept have given up that much (regret)."""
+    table = StepTimes()
+    table.set({1: 0.0162, 2: 0.0169, 3: 0.0179, 4: 0.0197, 5: 0.0237, 6: 0.0237})
+    copying = runs_of(*[5] * 10)  # every guess kept whole
+
+    def chosen(last_drafts: int | None, change: float, limit: int = 5) -> int:
+        table.change_seconds = change
+        policy = DraftPolicy(8, table)
+        policy.last = None if last_drafts is None else (1, 1 + last_drafts)
+        return policy.choose([(copying, limit)], StepLoad(1))[0]
+
+    assert [chosen(last, 0.005) for last in range(6)] == [5] * 6  # 5 ms: 4 steps at 20% faster pay two changes
+    assert [chosen(last, 0.009) for last in (4, 3, 2)] == [4, 3, 5]  # 9 ms: from 3 or 4 drafts, keep them
+    assert chosen(4, 0.020) == 4 and chosen(0, 0.020) == 5  # 20 ms: but 6 tokens a step instead of 1 pays
+    assert chosen(4, 0.020, limit=2) == 2 and chosen(None, 0.020) == 5  # never past the limit; no shape: the best
+    table.change_seconds = 0.009
+    policy = DraftPolicy(8, table)
+    policy.last = (1, 5)  # four drafts; a switch to five saves too little over HORIZON, but regret adds up
+    kept = 0
+    while policy.choose([(copying, 5)], StepLoad(1)) == [4]:
+        kept += 1
+        assert kept < 50
+    assert kept > 1 and policy.regret == 0.0 and policy.last == (1, 6)
+    policy.last = (2, 5)  # another number of sequences: the shape changes anyway, the best numbers
+    assert policy.choose([(copying, 5)], StepLoad(1)) == [5]
+
+
+def test_drafts_move_within_the_rows_to_the_request_that_copies():
+    """Kept rows go where drafts are worth most: a request whose guess ran out gives its room to one that copies,
+    and rows short of the last step's go to requests that have drafts, past their guesses."""
+    table = StepTimes()
+    table.set({1: 0.0126, 2: 0.0130, 4: 0.0140, 8: 0.0158, 16: 0.0214})
+    table.change_seconds = 0.030  # changes dear: the rows are kept
+    missing, copying, short = runs_of(*[0] * 10), runs_of(*[8] * 10), runs_of(*[2] * 10)
+    policy = DraftPolicy(8, table)
+    policy.last = (2, 7)  # two sequences, five drafts
+    assert policy.choose([(missing, 8), (copying, 8)], StepLoad(2, 2, 2)) == [0, 5]
+    policy.last = (2, 8)
+    assert policy.choose([(missing, 8), (short, 8)], StepLoad(2, 2, 2)) == [0, 6]  # runs of two, topped up
+    assert DraftPolicy(8, table).choose([(missing, 8), (copying, 8)], StepLoad(2, 2, 2)) == [0, 8]  # no step before
 
 
 def test_the_step_table_interpolates_extrapolates_and_never_prices_a_row_at_nothing():
@@ -390,14 +434,21 @@ def test_a_request_whose_guesses_miss_loses_its_drafts_and_gets_them_back_when_i
     assert drafts and s.proposer.propose(r.all_token_ids, 4).tokens[: len(drafts)] == drafts  # its guess again
 
 
-def test_a_short_guess_gets_no_drafts_past_it():
+def test_a_short_guess_is_padded_to_the_number_of_drafts_its_step_keeps():
     fresh = scheduler(k=5)
     decoding(fresh, [1, 2, 3, 4, 5, 6, 7])  # first token 4: lookup has only 5, 6, 7, 4 after it
     assert fresh.schedule().chunks[0].drafts == (5, 6, 7, 4)  # a fifth draft could never be kept: not chosen
+    s = scheduler(k=5)
+    decoding(s, [1, 2, 3, 4, 5, 6, 7])
+    s.policy.last = (1, 6)  # the last step had five drafts, and a change would cost more
+    s.step_times.change_seconds = 1e9
+    assert s.schedule().chunks[0].drafts == (5, 6, 7, 4, 4)  # the rows it keeps
     constrained = scheduler(k=5)
     r = decoding(constrained, [1, 2, 3, 4, 5, 6, 7])
     r.matcher = type("AnyToken", (), {"num_valid": staticmethod(len)})()  # a grammar that allows all
-    assert constrained.schedule().chunks[0].drafts == (5, 6, 7, 4)
+    constrained.policy.last = (1, 6)
+    constrained.step_times.change_seconds = 1e9
+    assert constrained.schedule().chunks[0].drafts == (5, 6, 7, 4)  # never padded past a grammar's check
 
 
 def test_drafts_leave_room_for_the_prompt_pieces_after_them():

@@ -427,7 +427,7 @@ class Scheduler:
             if limit > 0:
                 candidates.append((request, limit, self._guess(request)))
         chosen = self.policy.choose([(r.draft_stats, limit) for r, limit, _ in candidates], self._step_load(budget))
-        return {r.id: self._drafts(r, guess[:k]) for (r, _, guess), k in zip(candidates, chosen, strict=True)}
+        return {r.id: self._drafts(r, guess, k) for (r, _, guess), k in zip(candidates, chosen, strict=True)}
 
     def _guess(self, request: Request) -> tuple[int, ...]:
         """The proposer's guess of a decoding request's next tokens. It is also watched (DraftStats): guesses
@@ -437,10 +437,15 @@ class Scheduler:
         return guess.tokens
 
     @staticmethod
-    def _drafts(request: Request, drafts: tuple[int, ...]) -> tuple[int, ...]:
-        """The drafts a grammar-constrained request may take: a draft the grammar forbids could never be kept."""
-        if request.matcher is not None and drafts:
-            return drafts[: request.matcher.num_valid(drafts)]
+    def _drafts(request: Request, guess: tuple[int, ...], k: int) -> tuple[int, ...]:
+        """k drafts from a guess (fewer for a grammar-constrained request: a draft the grammar forbids could
+        never be kept). A guess shorter than k is padded with its last token: the policy gives drafts past a
+        guess only to keep the last step's rows, and a padding token is kept when it happens to be right."""
+        drafts = guess[:k]
+        if request.matcher is not None:
+            return drafts[: request.matcher.num_valid(drafts)] if drafts else ()
+        if k and len(drafts) < k:
+            drafts += (drafts or (request.all_token_ids[-1],))[-1:] * (k - len(drafts))
         return drafts
 
     def _drop_expired(self, plan: StepPlan) -> None:

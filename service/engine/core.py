@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,6 @@ from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
-from service.core.sampler import sample, verify
 from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
 from service.core.spec import StepTimes
 from service.core.stats import EngineStats, ModelInfo
@@ -36,46 +35,17 @@ from service.engine.disk_store import DiskStore
 from service.engine.inputs import step_inputs
 from service.engine.kv_tier import KVDiskTier, LoadResult
 from service.engine.model_files import ModelFiles
+from service.engine.outputs import Abort, Command, EngineOutput, Publish
 from service.engine.runner import ModelRunner
+from service.engine.sampling import sample_step
 from service.engine.stats import StageClock, StatsBook
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
+
+__all__ = ["EngineCore", "EngineOutput", "kv_identity"]
 
 log = logging.getLogger(__name__)
 
 MASK_TIMES_KEPT = 10_000
-
-
-@dataclass
-class EngineOutput:
-    """What a step produced for one request: new tokens and, on its last output, a finish reason or an
-    error. num_cached_tokens and queue_seconds are known from the request's first scheduling on."""
-
-    request_id: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, or none (none asked for)
-    drafted: list[bool] = field(default_factory=list)  # one per token: whether it was a draft the model kept
-    finish_reason: FinishReason | None = None
-    error: ServiceError | None = None
-    num_cached_tokens: int = 0
-    num_restored_tokens: int = 0
-    queue_seconds: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.drafted:  # none said: none was a draft
-            self.drafted = [False] * len(self.token_ids)
-
-    @property
-    def final(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: int
-
-
-Command = Request | Abort | LoadResult | None  # None only wakes the thread up
-Publish = Callable[[list[EngineOutput]], None]
 
 
 class EngineCore:
@@ -296,34 +266,13 @@ class EngineCore:
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
         rows_form = self.draft_rows(len(plan.chunks))
         report = self.runner.step([row for c in plan.chunks for row in step_inputs(c, rows_form)])
-        logits = report.logits
         self.book.num_shape_changes += report.shape_changed
         clock.lap("execute")
         by_id = {}
         if pending is not None:
             by_id = pending.result()
             clock.lap("mask")  # the masks' time beyond the model's: what they add to the step
-        masks = [by_id.get(c.request.id) for c in sampled]
-        ends = np.cumsum([c.num_logits for c in sampled], dtype=np.int64)
-        plain = [i for i, c in enumerate(sampled) if not c.drafts]
-        plain_masks = [masks[i] for i in plain] if constrained else []
-        result = sample(logits[ends[plain] - 1], [sampled[i].request for i in plain], plain_masks)
-        runs: list[list[int]] = [[] for _ in sampled]
-        logprobs: list[list[TokenLogprob | None]] = [[] for _ in sampled]
-        failed: dict[int, Exception] = {}  # by index into sampled: sampling its row raised
-        for i, token_id, logprob, error in zip(plain, result.token_ids, result.logprobs, result.errors, strict=True):
-            if error is not None:
-                failed[i] = error
-            runs[i], logprobs[i] = [token_id], [logprob]
-        for i, chunk in enumerate(sampled):
-            if chunk.drafts:  # the k+1 rows of a verify chunk
-                rows = logits[ends[i] - chunk.num_logits : ends[i]]
-                try:
-                    run = verify(rows, chunk.request, chunk.drafts, masks[i])
-                except Exception as exc:
-                    failed[i] = exc
-                    continue
-                runs[i], logprobs[i] = run.token_ids, run.logprobs
+        runs, logprobs, failed = sample_step(report.logits, sampled, [by_id.get(c.request.id) for c in sampled])
         clock.lap("sample")
         outputs = [self._sampling_failed(sampled[i].request, exc) for i, exc in failed.items()]
         if failed:  # those requests are finished: the step's outcome is the others'

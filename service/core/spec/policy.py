@@ -3,8 +3,9 @@
 A request's k drafts add k rows to the step and are expected to add E(k) - 1 tokens (DraftStats). Drafts are
 nearly free in a small step, which is bound by reading the weights, and must be likely to be kept in a large
 one, which is bound by compute: each request in turn takes the k that gives the step the most tokens per
-second, its drafts' rows priced by the table (StepTimes) at the step's rows so far. docs/SPECULATIVE.md has the
-rule's measurements and the layers it replaced.
+second, its drafts' rows priced by the table (StepTimes) at the step's rows so far. A step of other rows than
+the one before costs the CPU plugin a change of shape (StepTimes.change_seconds), so the step keeps the last
+step's rows unless the better numbers pay for that (choose). docs/SPECULATIVE.md has the measurements.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ class StepTimes:
         self.prior_overhead = overhead
         self.seconds: dict[int, float] = {}
         self._sizes: list[int] = []
+        # what a step of other rows than the one before costs more (measured at warm-up); None: a quarter step
+        self.change_seconds: float | None = None
+
+    def change_cost(self, tokens: int) -> float:
+        return self.cost(tokens) / 4 if self.change_seconds is None else self.change_seconds
 
     def set(self, measured: Mapping[int, float]) -> None:
         """Take the warm-up's measurements, by tokens; made non-decreasing (a larger step never costs less)."""
@@ -86,10 +92,18 @@ class DraftPolicy:
     speculates at all (speculates), gives each request its DraftStats (new_stats) and asks for the numbers
     (choose)."""
 
+    # A change of shape pays when the better numbers' gain over HORIZON steps exceeds CHANGES changes (drafts come
+    # and go, so a step that grows for them shrinks again before long), or once the steps kept in the shape have
+    # given up as much (regret: rent or buy)
+    HORIZON = 4
+    CHANGES = 2
+
     def __init__(self, max_sequences: int, times: StepTimes | None = None) -> None:
         self.max_sequences = max_sequences
         self.times = times or StepTimes()
         self.record = GuessRecord()  # what guesses of each kind earned across requests: their prior
+        self.last: tuple[int, int] | None = None  # the last decoding step chosen: (sequences, tokens with drafts)
+        self.regret = 0.0  # what keeping its rows has given up since drafts last changed them (seconds)
 
     def new_stats(self) -> DraftStats:
         return DraftStats(self.record)
@@ -101,16 +115,50 @@ class DraftPolicy:
 
     def choose(self, candidates: Sequence[Candidate], step: StepLoad) -> list[int]:
         """The number of drafts for each candidate, up to its limit: each in turn takes the number that gives
-        the step the most expected tokens per second, its rows priced after the rows chosen before it."""
+        the step the most expected tokens per second, its rows priced after the rows chosen before it. Where
+        those numbers change the rows of the last step of as many sequences, the step takes the best numbers
+        that keep them instead, unless the change pays (HORIZON, CHANGES, regret)."""
+        expected = [stats.expected_tokens_up_to(limit) for stats, limit in candidates]
+        best, best_rate, best_seconds = self._in_turn(expected, step)
+        tokens = step.tokens + sum(best)
+        last, self.last = self.last, (step.sequences, tokens)
+        room = None if last is None or last[0] != step.sequences else last[1] - step.tokens
+        if room is None or room == sum(best) or not 0 <= room <= sum(len(e) - 1 for e in expected):
+            self.regret = 0.0
+            return best
+        kept, kept_rate, kept_seconds = self._in_turn(expected, step, room)
+        given_up = kept_seconds * (1 - kept_rate / best_rate)
+        switch = self.CHANGES * self.times.change_cost(tokens)
+        if self.HORIZON * given_up > switch or self.regret + given_up > switch:
+            self.regret = 0.0
+            return best
+        self.regret += given_up
+        self.last = (step.sequences, step.tokens + room)
+        return kept
+
+    def _in_turn(
+        self, expected: Sequence[list[float]], step: StepLoad, total: int | None = None
+    ) -> tuple[list[int], float, float]:
+        """Each request's best number of drafts in turn (with `total` drafts in all: at most that many, then the
+        rest on the requests that have drafts, past their guesses), the step's rate and seconds with them."""
         tokens, produced = step.tokens, float(step.produced)
-        chosen = []
-        for stats, limit in candidates:
-            expected = stats.expected_tokens_up_to(limit)
+        chosen: list[int] = []
+        for e in expected:
+            limit = len(e) - 1 if total is None else min(len(e) - 1, total - sum(chosen))
             base = self.times.cost(tokens)
             added = self.times.rows_cost(tokens, limit)
-            rates = [(produced + e - 1) / (base + a) for e, a in zip(expected, added, strict=True)]
+            rates = [(produced + e[k] - 1) / (base + added[k]) for k in range(limit + 1)]
             k = max(range(len(rates)), key=rates.__getitem__)
             chosen.append(k)
             tokens += k
-            produced += expected[k] - 1
-        return chosen
+            produced += e[k] - 1
+        if total is not None:
+            missing = total - sum(chosen)
+            for i in sorted(range(len(chosen)), key=lambda i: chosen[i] == 0):  # requests with drafts first
+                extra = min(missing, len(expected[i]) - 1 - chosen[i])
+                chosen[i] += extra
+                tokens += extra
+                produced += expected[i][chosen[i]] - expected[i][chosen[i] - extra]
+                missing -= extra
+        seconds = self.times.cost(tokens)
+        return chosen, produced / seconds, seconds
