@@ -116,13 +116,15 @@ class DraftPolicy:
     def choose(self, candidates: Sequence[Candidate], step: StepLoad) -> list[int]:
         """The number of drafts for each candidate, up to its limit: each in turn takes the number that gives
         the step the most expected tokens per second, its rows priced after the rows chosen before it. Where
-        those numbers change the rows of the last step of as many sequences, the step takes the best numbers
+        those numbers change the rows of the last decoding step of as many sequences, the step takes the numbers
         that keep them instead, unless the change pays (HORIZON, CHANGES, regret)."""
         expected = [stats.expected_tokens_up_to(limit) for stats, limit in candidates]
         best, best_rate, best_seconds = self._in_turn(expected, step)
         tokens = step.tokens + sum(best)
-        last, self.last = self.last, (step.sequences, tokens)
-        room = None if last is None or last[0] != step.sequences else last[1] - step.tokens
+        # a step with a prompt piece takes the piece's shape anyway: only decoding steps keep rows
+        decoding = step.tokens == step.sequences
+        last, self.last = self.last, (step.sequences, tokens) if decoding else None
+        room = None if last is None or not decoding or last[0] != step.sequences else last[1] - step.tokens
         if room is None or room == sum(best) or not 0 <= room <= sum(len(e) - 1 for e in expected):
             self.regret = 0.0
             return best
