@@ -215,16 +215,16 @@ def test_streamed_text_of_chinese_and_emoji_round_trips(engine):
 
 
 def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeypatch):
-    real_execute = engine.core.runner.execute
+    real_step = engine.core.runner.step
     calls = {"n": 0}
 
-    def fail_once(seqs, shape=None):
+    def fail_once(seqs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return real_execute(seqs, shape)
+        return real_step(seqs)
 
-    monkeypatch.setattr(engine.core.runner, "execute", fail_once)
+    monkeypatch.setattr(engine.core.runner, "step", fail_once)
     from service.errors import EngineFailure
 
     with pytest.raises(EngineFailure, match="injected failure"):
