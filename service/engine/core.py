@@ -25,7 +25,7 @@ import numpy as np
 
 from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
-from service.core.outputs import FinishReason, TokenLogprob
+from service.core.outputs import FinishReason
 from service.core.request import Request
 from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
 from service.core.spec import StepTimes
@@ -35,7 +35,7 @@ from service.engine.disk_store import DiskStore
 from service.engine.inputs import step_inputs
 from service.engine.kv_tier import KVDiskTier, LoadResult
 from service.engine.model_files import ModelFiles
-from service.engine.outputs import Abort, Command, EngineOutput, Publish
+from service.engine.outputs import Abort, Command, EngineOutput, Publish, error_of, output_of
 from service.engine.runner import ModelRunner
 from service.engine.sampling import sample_step
 from service.engine.stats import StageClock, StatsBook
@@ -195,7 +195,7 @@ class EngineCore:
                 self.scheduler.add(command)
             except Exception as exc:  # this request's fault, not the engine's: it alone fails
                 log.error("cannot queue request %d", command.id, exc_info=exc)
-                self._publish([self._error(command, EngineFailure(f"the request could not be queued: {exc}"))])
+                self._publish([error_of(command, EngineFailure(f"the request could not be queued: {exc}"))])
                 return False
             return True
         if isinstance(command, LoadResult):
@@ -205,7 +205,7 @@ class EngineCore:
             request = self.scheduler.requests.get(command.request_id)
             if request is not None:
                 self.scheduler.finish(request, FinishReason.ABORT)
-                self._publish([self._output(request, [], [])])
+                self._publish([output_of(request, [], [])])
         return False
 
     def step(self) -> bool:
@@ -231,7 +231,7 @@ class EngineCore:
         if self.disk_tier is not None:
             for load in plan.loads:
                 self.disk_tier.load(load.request.id, load.digests, load.block_ids)
-        outputs = [self._error(r, DeadlineExceeded("the request's deadline passed")) for r in plan.expired]
+        outputs = [error_of(r, DeadlineExceeded("the request's deadline passed")) for r in plan.expired]
         if plan.chunks:
             try:
                 outputs += self._run_plan(plan, clock)
@@ -293,7 +293,7 @@ class EngineCore:
             # a verify step's run is its kept drafts, then the model's own token
             num_kept = chunk.request.num_accepted_drafts - drafts_before
             drafted = [True] * num_kept + [False] * (len(new) - num_kept)
-            outputs.append(self._output(chunk.request, new, kept, drafted))
+            outputs.append(output_of(chunk.request, new, kept, drafted))
         return outputs
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
@@ -312,14 +312,14 @@ class EngineCore:
         log.warning("request %d: its grammar failed: %.200s", request.id, error)  # may quote the client's schema
         self.scheduler.finish(request)
         field = request.matcher.field if request.matcher is not None else "response_format"
-        return self._error(request, InvalidArgument(field, f"the grammar failed mid-reply: {error}"))
+        return error_of(request, InvalidArgument(field, f"the grammar failed mid-reply: {error}"))
 
     def _sampling_failed(self, request: Request, exc: Exception) -> EngineOutput:
         """Sampling one request's row raised (a bug: no input is known to make it): that request ends with an
         error, and nothing else (the step's other requests keep their tokens)."""
         log.error("request %d: sampling its tokens failed", request.id, exc_info=exc)
         self.scheduler.finish(request)
-        return self._error(request, EngineFailure(f"sampling the reply failed: {exc}"))
+        return error_of(request, EngineFailure(f"sampling the reply failed: {exc}"))
 
     def _fail_step(self, requests: list[Request], exc: Exception) -> None:
         log.error("engine step failed; failing its %d requests", len(requests), exc_info=exc)
@@ -327,7 +327,7 @@ class EngineCore:
         outputs = []
         for request in requests:
             self.scheduler.finish(request)
-            outputs.append(self._error(request, error))
+            outputs.append(error_of(request, error))
         self.book.num_failed_steps += 1
         self.book.update()
         self._publish(outputs)
@@ -337,32 +337,8 @@ class EngineCore:
         outputs = []
         for request in list(self.scheduler.requests.values()):
             self.scheduler.finish(request)
-            outputs.append(self._error(request, error))
+            outputs.append(error_of(request, error))
         self._publish(outputs)
-
-    def _output(
-        self,
-        request: Request,
-        token_ids: list[int],
-        logprobs: list[TokenLogprob],
-        drafted: list[bool] | None = None,
-    ) -> EngineOutput:
-        scheduled = request.first_scheduled_time
-        return EngineOutput(
-            request.id,
-            token_ids,
-            logprobs,
-            drafted or [],
-            finish_reason=request.finish_reason,
-            num_cached_tokens=request.num_cached_tokens,
-            num_restored_tokens=request.num_restored_tokens,
-            queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
-        )
-
-    def _error(self, request: Request, error: ServiceError) -> EngineOutput:
-        out = self._output(request, [], [])
-        out.finish_reason, out.error = None, error
-        return out
 
 
 def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:

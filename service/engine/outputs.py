@@ -42,3 +42,27 @@ class Abort:
 
 Command = Request | Abort | LoadResult | None  # None only wakes the thread up
 Publish = Callable[[list[EngineOutput]], None]
+
+
+def output_of(
+    request: Request, token_ids: list[int], logprobs: list[TokenLogprob], drafted: list[bool] | None = None
+) -> EngineOutput:
+    """A request's new tokens, with its finish reason (if it finished) and what its first scheduling said."""
+    scheduled = request.first_scheduled_time
+    return EngineOutput(
+        request.id,
+        token_ids,
+        logprobs,
+        drafted or [],
+        finish_reason=request.finish_reason,
+        num_cached_tokens=request.num_cached_tokens,
+        num_restored_tokens=request.num_restored_tokens,
+        queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
+    )
+
+
+def error_of(request: Request, error: ServiceError) -> EngineOutput:
+    """A request's last output when it fails."""
+    out = output_of(request, [], [])
+    out.finish_reason, out.error = None, error
+    return out
