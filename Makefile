@@ -5,7 +5,7 @@ MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 QWEN4B  := models/qwen3-4b-synthetic-int8
 
-.PHONY: install system-packages proto model serve test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-pieces bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: install system-packages proto model serve test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-pieces bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
 install: $(STAMP)
 
@@ -97,6 +97,12 @@ bench-speculative: $(STAMP) $(MODEL)/manifest.json
 		--out bench/results-speculative/results.json
 	$(PY) -m bench.speculative $(MODEL) --streams 1 --requests-per-stream 1 --rounds 16 --max-new-tokens 128 \
 		--out bench/results-speculative/per-prompt-1.json
+
+# ovserve alone, without and with speculation, 3 rounds of 2 prompts a stream (~25 min on 2 busy cores): the
+# A/B of docs/SPECULATIVE.md ("A/B runs")
+bench-speculative-quick: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8,32 --rounds 3 --requests-per-stream 2 --max-new-tokens 128 \
+		--ours-only --out bench/results-speculative/quick.json
 
 # Prompts cut at fixed places (--prompt-chunk-tokens): greedy replies of engines of the same settings under load,
 # time to the first token alone, and the cost under Poisson arrivals and a burst.

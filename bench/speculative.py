@@ -179,7 +179,7 @@ def cost_curve(
     request and as one-token rows (what --verify-drafts auto feeds in f32, a request decoding alone included).
     Median of `repeats` after one unmeasured step per shape; also as a multiple of the step without drafts."""
     from service.core.config import EngineConfig
-    from service.engine.core import verify_inputs
+    from service.engine.inputs import verify_inputs
     from service.engine.runner import ModelRunner
 
     runner = ModelRunner(Path(model) / "openvino_model.xml", EngineConfig(kv_cache_gb=1.0))
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ovserve_drafts": drafts,
                     "ovserve_acceptance": round(accepted / max(1, drafts), 3),
                     "ovserve_tokens_per_verify_step": round(1 + accepted / max(1, verify_steps), 2),
-                    "ovserve_step_overhead_tokens": round(ours_lookup.core.step_times.overhead, 2),  # live fit
+                    "ovserve_step_overhead_tokens": round(ours_lookup.core.step_times.overhead, 2),  # the table
                     "load": os.getloadavg(),
                     "tokens_per_s": measured["rates"],
                 }

@@ -9,7 +9,6 @@ import pytest
 
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
-from service.core.step_shape import StepShape
 from service.engine import Engine, EngineConfig, GenerationRequest
 from service.engine.runner import ModelRunner, StepInput
 from service.errors import InvalidArgument
@@ -96,12 +95,10 @@ def test_mixed_prefill_and_decode_match_reference(engine, reference):
     assert_no_blocks_held(engine)
 
 
-def test_requests_ending_one_by_one_pad_the_step_and_stay_exact(engine, reference):
-    """As requests end, the remaining ones' steps are padded to the last step's shape (ShapeKeeper): their
-    tokens are still exactly the reference's."""
+def test_requests_ending_one_by_one_stay_exact(engine, reference):
+    """As requests end, the remaining ones' steps change shape: their tokens are still exactly the reference's."""
     ps = prompts(6, seed=3)
     lengths = [3, 5, 7, 9, 11, 13]
-    padded_before = engine.core.shape_keeper.num_padded_steps
 
     async def main():
         return await asyncio.gather(
@@ -114,23 +111,7 @@ def test_requests_ending_one_by_one_pad_the_step_and_stay_exact(engine, referenc
     results = run(main())
     for p, n, (tokens, _, _) in zip(ps, lengths, results, strict=True):
         assert tokens == reference.greedy(p, n)
-    assert engine.core.shape_keeper.num_padded_steps > padded_before
     assert_no_blocks_held(engine)
-
-
-def test_drafts_keep_the_last_steps_shape_where_they_pad_to_it(engine, monkeypatch):
-    """The draft rule asks the engine which totals of drafts keep the last step's shape on the copy that
-    would run the step: with drafts as one-token rows (one compiled copy) each draft is a sequence too."""
-    core = engine.core
-    copy = core.runner.copy_for_tokens(8)
-    monkeypatch.setattr(core.step_times, "padding_cost", lambda *shapes: (0.0, 1.0))  # padding free: shapes only
-    monkeypatch.setitem(core.runner.last_shapes, copy, StepShape(8, 8, 8))  # eight one-token sequences
-    assert core.draft_rows  # f32: every step on one copy
-    assert [d for d in range(10) if core.keeps_shape(3, d)] == [0, 1, 2, 3, 4, 5]  # 3 + d rows, padded to 8
-    monkeypatch.setattr(core, "draft_rows", False)  # drafts in their sequence: 3 sequences, 3 + d tokens
-    assert [d for d in range(10) if core.keeps_shape(3, d)] == [0]  # five padding sequences need five tokens
-    monkeypatch.setitem(core.runner.last_shapes, copy, StepShape(12, 4, 12))  # three with drafts, one padding
-    assert [d for d in range(12) if core.keeps_shape(3, d)] == list(range(9))
 
 
 def test_preemption_keeps_outputs_exact(engine, tiny_qwen3_fp16_ir, reference):
@@ -234,16 +215,16 @@ def test_streamed_text_of_chinese_and_emoji_round_trips(engine):
 
 
 def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeypatch):
-    real_execute = engine.core.runner.execute
+    real_step = engine.core.runner.step
     calls = {"n": 0}
 
-    def fail_once(seqs, shape=None):
+    def fail_once(seqs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure")
-        return real_execute(seqs, shape)
+        return real_step(seqs)
 
-    monkeypatch.setattr(engine.core.runner, "execute", fail_once)
+    monkeypatch.setattr(engine.core.runner, "step", fail_once)
     from service.errors import EngineFailure
 
     with pytest.raises(EngineFailure, match="injected failure"):
@@ -265,7 +246,7 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
     engine.start()
     try:
         plugin_default = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
-        assert (engine.core.runner.large_step_request is not None) == ("bfloat16" in plugin_default)
+        assert (engine.core.runner.bf16_request is not None) == ("bfloat16" in plugin_default)
         ps = [p * 2 for p in prompts(3, seed=13)]  # prompts of more than 32 tokens: a bf16 step where there is one
 
         async def main():
@@ -280,7 +261,7 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
     finally:
         engine.shutdown()
     runner = ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
-    if runner.large_step_request is not None:  # prompt pieces of more than 32 tokens go to bf16, apart
+    if runner.bf16_request is not None:  # prompt pieces of more than 32 tokens go to bf16, apart
         for i in range(3):  # three prompts of 8 tokens, decoding from position 8
             runner.execute([StepInput([5 + i] * 8, 0, [i], 1)])
         decoding = [StepInput([7 + i], 8, [i], 1) for i in range(3)]
@@ -288,21 +269,24 @@ def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(t
         assert runner.last_shapes.keys() == {"main"}
         piece = StepInput([1] * 40, 0, [8, 9], 1)
         beside = runner.execute([decoding[0], piece, *decoding[1:]])
-        assert runner.last_shapes.keys() == {"main", "large_step"}
-        assert runner.last_shapes["main"] == StepShape(3, 3, 3)
-        assert runner.last_shapes["large_step"] == StepShape(40, 1, 8)  # logits rows padded to 8 in bf16
+        assert runner.last_shapes.keys() == {"main", "bf16"}
+        assert runner.last_shapes["main"] == (3, 3, 3)
+        assert runner.last_shapes["bf16"] == (40, 1, 8)  # logits rows padded to 8 in bf16
         assert beside.shape == (4, alone.shape[1])
         # the decoding rows are computed as without the piece, to the bit, and come back in the step's order
         assert np.array_equal(beside[[0, 2, 3]], alone)
         assert np.array_equal(beside[1], runner.execute([piece])[0])
         assert runner.copy_for([StepInput([1] * 22, 0, [8, 9], 1)]) == "main"  # a short piece: f32
         verifying = [StepInput([1] * 6, 8, [i], 6) for i in range(8)]  # drafts: f32 whatever the step's size
-        assert not any(runner.is_long_piece(s) for s in verifying) and runner.copy_for(verifying) == "main"
-        many = [StepInput([1], 8, [i], 1) for i in range(30)]  # padding never moves a step to bf16
-        runner.execute(many, StepShape(34, 31, 30))
-        assert runner.copy_for(many) == "main" and runner.last_shapes["main"] == StepShape(34, 31, 30)
+        assert not any(runner.on_bf16(s) for s in verifying) and runner.copy_for(verifying) == "main"
+        many = [StepInput([1], 8, [i], 1) for i in range(30)]  # many one-token rows: f32
+        report = runner.step(many)
+        assert report.copies == ("main",) and runner.last_shapes["main"] == (30, 30, 30)
+        report = runner.step([decoding[0], piece])  # both copies, the main copy's shape changed
+        assert report.copies == ("bf16", "main") and report.shape_changed
+        assert not runner.step([decoding[0], piece]).shape_changed  # the same shapes again
     f16_cache = EngineConfig(kv_cache_gb=0.02, kv_cache_precision="f16", inference_precision="auto")
-    assert ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", f16_cache).large_step_request is None  # bf16's
+    assert ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", f16_cache).bf16_request is None  # bf16's
 
 
 def test_a_prompts_first_logits_do_not_depend_on_another_prompt_ending_in_its_step(tiny_qwen3_ir):
@@ -310,7 +294,7 @@ def test_a_prompts_first_logits_do_not_depend_on_another_prompt_ending_in_its_st
     rows the final matmul computes (0.03 apart here with one row against two), so that inference computes 8
     rows at least: the first prompt's logits are those it gets alone."""
     runner = ModelRunner(tiny_qwen3_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
-    if runner.large_step_request is None:
+    if runner.bf16_request is None:
         pytest.skip("no bf16 copy on this CPU")
     rng = random.Random(1)
     first, ending = ([rng.randrange(100, 150_000) for _ in range(64)] for _ in range(2))
@@ -332,7 +316,7 @@ def test_fast_single_stream_shares_the_kv_cache(tiny_qwen3_fp16_ir, reference):
     fast = Engine(tiny_qwen3_fp16_ir, config)
     fast.start()
     try:
-        assert fast.core.runner.lone_rows_apart
+        assert fast.core.runner.has_single_token_copy
         ps = prompts(4, seed=11)
 
         async def main():

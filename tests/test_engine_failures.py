@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import service.core.sampler as sampler
-import service.engine.core as engine_core
+import service.engine.sampling as engine_sampling
 from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig
 from service.engine.runner import StepInput
@@ -37,30 +37,30 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
     if stage == "schedule":
         real_schedule = core.scheduler.schedule
 
-        def schedule(keeps_shape=None):
+        def schedule():
             if poisoned(core.scheduler.waiting) or poisoned(core.scheduler.running):
                 raise RuntimeError("injected planning failure")
-            return real_schedule(keeps_shape)
+            return real_schedule()
 
         monkeypatch.setattr(core.scheduler, "schedule", schedule)
     elif stage == "execute":
-        real_execute = core.runner.execute
+        real_step = core.runner.step
 
-        def execute(seqs, shape=None):
+        def step(seqs):
             if any(list(s.token_ids[:1]) == [POISON] and s.past_len == 0 for s in seqs):
                 raise RuntimeError("injected runner failure")
-            return real_execute(seqs, shape)
+            return real_step(seqs)
 
-        monkeypatch.setattr(core.runner, "execute", execute)
+        monkeypatch.setattr(core.runner, "step", step)
     elif stage == "sample":
-        real_sample = engine_core.sample
+        real_sample = engine_sampling.sample
 
         def sample(logits, requests, *masks):
             if poisoned(requests):
                 raise RuntimeError("injected sampler failure")
             return real_sample(logits, requests, *masks)
 
-        monkeypatch.setattr(engine_core, "sample", sample)
+        monkeypatch.setattr(engine_sampling, "sample", sample)
     elif stage == "sample_row":
         real_penalties = sampler._apply_penalties
 
@@ -71,7 +71,7 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
 
         monkeypatch.setattr(sampler, "_apply_penalties", penalties)
     elif stage == "nan_row":  # the model computed NaN for the poisoned request's row
-        real_sample = engine_core.sample
+        real_sample = engine_sampling.sample
 
         def sample(logits, requests, *masks):
             for row, request in enumerate(requests):
@@ -79,7 +79,7 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
                     logits[row, 3] = np.nan
             return real_sample(logits, requests, *masks)
 
-        monkeypatch.setattr(engine_core, "sample", sample)
+        monkeypatch.setattr(engine_sampling, "sample", sample)
     elif stage == "update":
         real_update = core.scheduler.update
 

@@ -86,14 +86,15 @@ class EngineConfig:
     speculation: str = setting(
         "off",
         "speculative decoding for requests that do not choose (their `speculation` field): auto verifies draft "
-        "tokens found by prompt lookup in the same step when the cost model expects them to pay; off decodes "
+        "tokens found by prompt lookup in the same step when the draft policy expects them to pay (a table of step "
+        "times measured at start, when auto is the default); off decodes "
         "one token per step. Off by default: open-ended writing loses a few percent with it (docs/BENCH.md)",
         SPECULATION_MODES,
     )
     speculative_tokens: int = setting(
         10,
         "draft tokens per decoding request at most, proposed by prompt lookup over the request's prompt and "
-        "output and verified in the same step (the cost rule offers fewer where they do not pay); 0 turns "
+        "output and verified in the same step (the draft policy offers fewer where they do not pay); 0 turns "
         "speculation off whatever requests ask",
     )
     prompt_lookup_max_ngram: int = setting(3, "longest suffix of a request's tokens that prompt lookup matches")
@@ -103,9 +104,9 @@ class EngineConfig:
     )
     verify_drafts: str = setting(
         "auto",
-        "how a request's drafts are fed to the model. rows: as one-token sequences on its block table, computed "
-        "exactly as decode steps compute those positions (greedy replies equal plain decoding's where decoding "
-        "rows run in f32, int8 weights included), at 5-12%% more per verify step at 5 drafts and more at long "
+        "how a request's drafts are fed to the model. rows (draft rows): as one-token sequences on its block table, "
+        "computed exactly as decode steps compute those positions (greedy replies equal plain decoding's where "
+        "decoding rows run in f32, int8 weights included), at 5-12%% more per verify step at 5 drafts and more at long "
         "contexts (each row reads the whole context); sequence: as one many-token sequence, faster, rounding "
         "differently at near ties on int8 weights; auto: rows where decoding rows run in f32 "
         "(--inference-precision auto or f32), otherwise sequence (in bf16 a row depends on its step's size "

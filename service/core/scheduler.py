@@ -24,25 +24,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Protocol
 
 from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-from service.core.speculative import (
-    DraftStats,
-    GuessRecord,
-    PromptLookup,
-    Proposer,
-    ShapeRegret,
-    StepCost,
-    choose_drafts,
-)
-from service.core.step_times import StepTimes
+from service.core.spec import DraftPolicy, PromptLookup, Proposer, StepLoad, StepTimes
 from service.core.stop import stop_reason
 
 
@@ -58,7 +48,6 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool
     drafts: tuple[int, ...] = ()
-    expected_kept: float = 0.0  # of the drafts, by the runs of their guess's kind as the step was planned
 
     @property
     def token_ids(self) -> list[int]:
@@ -129,13 +118,11 @@ class Scheduler:
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.speculative_tokens = config.speculative_tokens
-        self.speculative_max_seqs = config.speculative_max_seqs
         self.speculation = config.speculation  # for requests that do not choose
         self.proposer = proposer or PromptLookup(config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram)
-        self.guess_record = GuessRecord()  # what guesses of each kind earned across requests: their prior
-        self.shape_regret = ShapeRegret()  # what keeping the last shape has cost the drafts
-        # a step's fixed cost in units of one token's work: the engine feeds it the times of its steps
-        self.step_times = step_times or StepTimes()
+        # the engine's warm-up fills step_times (the policy's table)
+        self.policy = DraftPolicy(config.speculative_max_seqs, step_times)
+        self.step_times = self.policy.times
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prompt_piece_tokens = config.prompt_piece_tokens
         self.max_model_len = max_model_len
@@ -156,7 +143,7 @@ class Scheduler:
         if request.id in self.requests:
             raise ValueError(f"request id {request.id} is already in the scheduler")
         self.requests[request.id] = request
-        request.draft_stats = DraftStats(self.guess_record)
+        request.draft_stats = self.policy.new_stats()
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -217,7 +204,6 @@ class Scheduler:
                 # computed: the fed token and the accepted drafts; the positions of rejected ones are
                 # recomputed, and blocks past the new length are given back
                 accepted = len(runs[request]) - 1
-                request.draft_stats.record_verify(chunk.expected_kept, max(accepted, 0))
                 self.num_draft_tokens += len(chunk.drafts)
                 self.num_accepted_tokens += accepted
                 self.num_verify_steps += 1
@@ -227,9 +213,8 @@ class Scheduler:
                 self.kv.trim(request.id, request.num_tokens)
             else:
                 request.num_computed_tokens += chunk.num_tokens
-            settled = request.draft_stats.settle(request.all_token_ids) if chunk.sample else None
-            if settled is not None:
-                self.guess_record.record(*settled)
+            if chunk.sample:  # the request's watched guess, checked against what it generated
+                request.draft_stats.settle(request.all_token_ids)
             self.kv.cache_full_blocks(
                 request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
             )
@@ -250,15 +235,13 @@ class Scheduler:
                 return reason
         return None
 
-    def schedule(self, keeps_shape: Callable[[int, int], bool] | None = None) -> StepPlan:
-        """The next step. keeps_shape(sequences, drafts) says whether a step of that many decoding sequences
-        carrying that many drafts in all runs in the shape of the step before (the engine's runner knows):
-        drafts are placed within it unless a change of shape pays (choose_drafts)."""
+    def schedule(self) -> StepPlan:
+        """The next step."""
         plan = StepPlan()
         self._drop_expired(plan)
         budget = self.max_num_batched_tokens
-        speculate = self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
-        chosen_drafts = self._plan_drafts(budget, keeps_shape) if speculate else {}
+        speculate = self.speculative_tokens > 0 and self.policy.speculates(len(self.running))
+        chosen_drafts = self._plan_drafts(budget) if speculate else {}
         # drafts never cut the prompt pieces of requests after them short: their room is held for them, and
         # for the first waiting request's first piece where there is a place for it (its prefix hit unknown
         # yet, so a whole piece)
@@ -407,10 +390,9 @@ class Scheduler:
             self.kv.block_ids(request.id),
             sample=start + num_new == request.num_tokens,
             drafts=drafts,
-            expected_kept=request.draft_stats.expected_kept_up_to(len(drafts))[-1] if drafts else 0.0,
         )
 
-    def _step_cost(self, budget: int) -> StepCost:
+    def _step_load(self, budget: int) -> StepLoad:
         """The step's tokens and sampled requests before any drafts: what the running requests will compute
         (waiting ones admitted after them are not known yet)."""
         tokens = sampled = sequences = 0
@@ -425,17 +407,14 @@ class Scheduler:
             tokens += num_new
             sequences += 1
             sampled += request.num_computed_tokens + num_new == request.num_tokens
-        return StepCost(self.step_times, tokens, max(1, sampled), max(1, sequences))
+        return StepLoad(tokens, max(1, sequences), max(1, sampled))
 
     def _speculates(self, request: Request) -> bool:
         return (request.params.speculation or self.speculation) == "auto"
 
-    def _plan_drafts(self, budget: int, keeps_shape: Callable[[int, int], bool] | None) -> dict[int, tuple[int, ...]]:
-        """Drafts for each decoding request that speculates, by request id: the number that raises the step's
-        tokens per second given its latest guess (its kind and length) and what guesses of that kind earned
-        lately, within its token limits and, unless a change pays, the last step's shape. The guess is made
-        first, so that the number is chosen knowing it."""
-        cost = self._step_cost(budget)
+    def _plan_drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
+        """Drafts for each decoding request that speculates, by request id, as many as the policy chooses
+        within its token limits. The guess is made first, so that the number is chosen knowing it."""
         candidates: list[tuple[Request, int, tuple[int, ...]]] = []
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1 or not self._speculates(request):
@@ -447,13 +426,7 @@ class Scheduler:
             )
             if limit > 0:
                 candidates.append((request, limit, self._guess(request)))
-        fits = None
-        # decoding only: a step with a prompt chunk takes the prompt's shape anyway. A waiting request admitted
-        # after this, a preemption or drafts cut for blocks change the step's shape as they would have before.
-        if keeps_shape is not None and cost.tokens == cost.sequences:
-            fits = partial(keeps_shape, cost.sequences)
-        requests = [(r.draft_stats, limit, r.num_tokens) for r, limit, _ in candidates]
-        chosen = choose_drafts(cost, requests, fits, self.shape_regret)
+        chosen = self.policy.choose([(r.draft_stats, limit) for r, limit, _ in candidates], self._step_load(budget))
         return {r.id: self._drafts(r, guess, k) for (r, _, guess), k in zip(candidates, chosen, strict=True)}
 
     def _guess(self, request: Request) -> tuple[int, ...]:
@@ -466,8 +439,8 @@ class Scheduler:
     @staticmethod
     def _drafts(request: Request, guess: tuple[int, ...], k: int) -> tuple[int, ...]:
         """k drafts from a guess (fewer for a grammar-constrained request: a draft the grammar forbids could
-        never be kept). A guess shorter than k is padded with its last token: a step of the shape chosen runs
-        faster than a smaller one of a new shape, and a padding token is kept when it happens to be right."""
+        never be kept). A guess shorter than k is padded with its last token: the policy gives drafts past a
+        guess only to keep the last step's rows, and a padding token is kept when it happens to be right."""
         drafts = guess[:k]
         if request.matcher is not None:
             return drafts[: request.matcher.num_valid(drafts)] if drafts else ()

@@ -1,6 +1,9 @@
 """Owns OpenVINO: loads the IR as a paged-attention model, holds the KV cache, runs one step.
 
-Nothing else in the project imports openvino at serving time.
+Nothing else in the project imports openvino at serving time. The compiled copies, by name: "main" (every step
+by default), "bf16" (auto precision, where the plugin defaults to bf16: prompt pieces of more than
+BF16_PIECE_TOKENS tokens, apart from the step's other sequences) and "single_token" (--fast-single-stream:
+one-token steps, without dynamic quantization). They share the KV cache tensors.
 """
 
 from __future__ import annotations
@@ -18,23 +21,23 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from service.core.config import EngineConfig
-from service.core.step_shape import MAX_PAD_SEQUENCES, MAX_PAD_TOKENS, StepShape
 from service.engine.model_files import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
 
 log = logging.getLogger(__name__)
 
 SAMPLED_ROWS = "sampled_rows"
 # With --inference-precision auto on a CPU whose plugin defaults to bf16, prompt pieces of more tokens than this
-# run on a bf16 copy of the model: bf16 ran a 256-token prompt chunk 1.75x faster than f32, while steps of up to
+# run on the bf16 copy of the model: bf16 ran a 256-token prompt chunk 1.75x faster than f32, while steps of up to
 # 32 tokens (decoding, verifying drafts) ran 1.05-1.6x faster in f32. The other sequences of a step holding such
 # a piece run apart from it, on the f32 copy (execute): a decoding row is then computed one way whatever shares
 # its step. Beside a 256-token piece in one bf16 step, SmolLM2 int8 rows moved by up to 0.6 in the logits, and
 # plain decoding's greedy replies at 8 streams matched those of the same prompts at another load in only 34 of
 # 64; the second inference made a cycle of a new prompt's two pieces beside 7 decoding rows and 14 decode steps
 # take 1.02x the time (contexts of 300-400).
-LARGE_STEP_TOKENS = 32
-# Logits rows the bf16 inference of long prompt pieces computes at least (execute)
-PIECE_ROWS = 8
+BF16_PIECE_TOKENS = 32
+# Logits rows the bf16 copy computes at least (step): in bf16 the final matmul rounds a row by how many rows it
+# computes (a prompt's first logits moved by up to 0.03 beside another prompt ending in the same step)
+BF16_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,17 @@ class StepInput:
     past_len: int
     block_ids: Sequence[int]
     num_logits: int  # logits rows wanted: of its last num_logits tokens (0: none, 1: the last token)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a step did: the wanted logits rows of every sequence in order, [sum of num_logits, vocab]; the
+    compiled copies that ran it, in order; and whether one of them ran another shape than its last step's (the
+    plugin then prepares kernels and buffers again: ovserve_step_shape_changes_total)."""
+
+    logits: np.ndarray
+    copies: tuple[str, ...]
+    shape_changed: bool
 
 
 def available_cpus() -> int:
@@ -97,26 +111,23 @@ class ModelRunner:
             properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = config.dq_group_size
         self.compiled = core.compile_model(model, "CPU", properties)
         self.request = self.compiled.create_infer_request()
-        # auto: a second copy in bf16 for long prompt pieces, where the plugin would choose bf16. The
-        # two share the KV cache, so its element type must be the same in both: it is for a u8 cache, while the
-        # plugin turns an f16 cache of a bf16 model into bf16 (so no copy is compiled for another cache).
-        self.large_step_request: ov.InferRequest | None = None
+        # auto: the bf16 copy for long prompt pieces, where the plugin would choose bf16. The two share the KV
+        # cache, so its element type must be the same in both: it is for a u8 cache, while the plugin turns an
+        # f16 cache of a bf16 model into bf16 (so no copy is compiled for another cache).
+        self.bf16_request: ov.InferRequest | None = None
         self.activation_precision = str(properties["INFERENCE_PRECISION_HINT"])
         if (
             config.inference_precision == "auto"
             and config.kv_cache_precision == "u8"
             and core.get_property("CPU", "INFERENCE_PRECISION_HINT") == ov.Type.bf16
         ):
-            large = core.compile_model(model, "CPU", properties | {"INFERENCE_PRECISION_HINT": "bf16"})
-            if _cache_types(large) == _cache_types(self.compiled):
-                self.large_step_request = large.create_infer_request()
-                self.activation_precision = f"f32, bf16 for prompt pieces above {LARGE_STEP_TOKENS} tokens"
-        # The shape of each compiled copy's last step: a step of another shape costs the plugin time to prepare
-        # its kernels and buffers, so a step's time says what its tokens cost only when its copy's shape is
-        # unchanged (the block table's length changes as sequences grow, at no measurable cost: not part of it)
-        self.last_shapes: dict[str, StepShape] = {}  # by copy: "main", "single_token", "large_step"
-        self.shape_changed = True  # the last step's sequences but long prompt pieces changed shape
-        self.pieces_shape_changed = False  # the last step's long prompt pieces changed shape (large_step)
+            bf16 = core.compile_model(model, "CPU", properties | {"INFERENCE_PRECISION_HINT": "bf16"})
+            if _cache_types(bf16) == _cache_types(self.compiled):
+                self.bf16_request = bf16.create_infer_request()
+                self.activation_precision = f"f32, bf16 for prompt pieces above {BF16_PIECE_TOKENS} tokens"
+        # The shape (tokens, sequences, logits rows) of each compiled copy's last step, by copy name (the block
+        # table's length changes as sequences grow, at no measurable cost: not part of it)
+        self.last_shapes: dict[str, tuple[int, int, int]] = {}
         # Dynamic quantization of activations makes the int8 matmuls fast from two tokens up, but a
         # one-token step (one stream decoding) ran faster without it on the Qwen3-4B shape here: 165-177 ms
         # against 195-230 ms, while at 8 tokens it is 2.2x slower. The setting is fixed at compile time,
@@ -131,10 +142,6 @@ class ModelRunner:
         self.block_size, bytes_per_block = self._cache_layout()
         budget = int(config.kv_cache_gb * 2**30)
         self.num_blocks = budget // bytes_per_block
-        # scratch blocks past the budget's for padding sequences (StepShape), which nobody reads
-        self.pad_blocks = list(
-            range(self.num_blocks, self.num_blocks + MAX_PAD_SEQUENCES - 1 + -(-MAX_PAD_TOKENS // self.block_size))
-        )
         if self.num_blocks < 1:
             raise ValueError(
                 f"kv cache budget of {budget} bytes holds no block "
@@ -180,12 +187,12 @@ class ModelRunner:
         copies = {
             "main": self.request,
             "single_token": self.single_token_request,
-            "large_step": self.large_step_request,
+            "bf16": self.bf16_request,
         }
         return {name: request for name, request in copies.items() if request is not None}
 
     def _allocate_cache(self) -> None:
-        rows = self.num_blocks + len(self.pad_blocks)
+        rows = self.num_blocks
         for port in self._cache_inputs():
             dims = [rows] + [d.get_length() for d in list(port.get_partial_shape())[1:]]
             tensor = ov.Tensor(port.get_element_type(), ov.Shape(dims))
@@ -193,64 +200,47 @@ class ModelRunner:
                 request.set_tensor(port.get_any_name(), tensor)
 
     def cache_arrays(self) -> list[np.ndarray]:
-        """The KV cache tensors as arrays of [num_blocks (+ scratch), ...] sharing their memory, in a fixed order: a
+        """The KV cache tensors as arrays of [num_blocks, ...] sharing their memory, in a fixed order: a
         block's content is its row of each."""
         return [self.request.get_tensor(p.get_any_name()).data for p in self._cache_inputs()]
 
-    def is_long_piece(self, seq: StepInput) -> bool:
-        """Whether a step's sequence is a prompt piece that runs on the bf16 copy, apart from the others: one of
-        more than LARGE_STEP_TOKENS tokens (not all sampled: drafts never go there), where there is that copy."""
+    def on_bf16(self, seq: StepInput) -> bool:
+        """Whether a step's sequence runs on the bf16 copy, apart from the others: a prompt piece of more than
+        BF16_PIECE_TOKENS tokens (not all sampled: drafts never go there), where there is that copy."""
         return (
-            self.large_step_request is not None
-            and len(seq.token_ids) > LARGE_STEP_TOKENS
+            self.bf16_request is not None
+            and len(seq.token_ids) > BF16_PIECE_TOKENS
             and seq.num_logits < len(seq.token_ids)
         )
 
-    def split(self, seqs: Sequence[StepInput]) -> tuple[list[StepInput], list[StepInput]]:
-        """A step's long prompt pieces (is_long_piece: the bf16 copy's) and its other sequences, each in order."""
-        long_pieces: list[StepInput] = []
-        others: list[StepInput] = []
-        for s in seqs:
-            (long_pieces if self.is_long_piece(s) else others).append(s)
-        return long_pieces, others
+    def execute(self, seqs: Sequence[StepInput]) -> np.ndarray:
+        """Run one step; the wanted logits rows of every sequence, in order (step's report without the rest)."""
+        return self.step(seqs).logits
 
-    def execute(self, seqs: Sequence[StepInput], shape: StepShape | None = None) -> np.ndarray:
-        """Run one step; returns the wanted logits rows of every sequence, in order, [sum of num_logits, vocab].
-        Long prompt pieces (split) run on the bf16 copy, the other sequences on the copy copy_for picks, as a
-        second inference where the step has both. With a shape, the other sequences run padded to it
-        (ShapeKeeper chose it; it must be one they pad to)."""
-        long_pieces, others = self.split(seqs)
-        self.pieces_shape_changed = False
-        if not long_pieces:
-            return self._infer(self.copy_for(others), others, shape)
-        # in bf16 the final matmul rounds a row by how many rows it computes: a prompt's first logits moved by
-        # up to 0.03 beside another prompt ending in the same step, and not at all with the rows padded to 8
-        needed = StepShape.of([len(s.token_ids) for s in long_pieces], [s.num_logits for s in long_pieces])
-        pieces_shape = StepShape(needed.tokens, needed.sequences, max(needed.rows, PIECE_ROWS))
-        pieces_logits = self._infer("large_step", long_pieces, pieces_shape)
-        self.pieces_shape_changed = self.shape_changed
-        if not others:
-            self.shape_changed = False
-            return pieces_logits
-        others_logits = self._infer(self.copy_for(others), others, shape)
+    def step(self, seqs: Sequence[StepInput]) -> StepReport:
+        """Run one step. Long prompt pieces (on_bf16) run on the bf16 copy, the other sequences on the copy
+        copy_for picks, as a second inference where the step has both."""
+        pieces = [s for s in seqs if self.on_bf16(s)]
+        others = [s for s in seqs if not self.on_bf16(s)]
+        parts = [(copy, part) for copy, part in (("bf16", pieces), (self.copy_for(others), others)) if part]
+        results = [self._infer(copy, part) for copy, part in parts]
+        copies = tuple(copy for copy, _ in parts)
+        changed = any(c for _, c in results)
+        if len(parts) == 1:
+            return StepReport(results[0][0], copies, changed)
         # each part's rows are in its sequences' order: deal them back out in the step's
         rows = {
-            True: iter(_rows_by_sequence(pieces_logits, long_pieces)),
-            False: iter(_rows_by_sequence(others_logits, others)),
+            True: iter(_rows_by_sequence(results[0][0], pieces)),
+            False: iter(_rows_by_sequence(results[1][0], others)),
         }
-        return np.concatenate([next(rows[self.is_long_piece(s)]) for s in seqs])
+        return StepReport(np.concatenate([next(rows[self.on_bf16(s)]) for s in seqs]), copies, changed)
 
-    def _infer(self, copy: str, seqs: Sequence[StepInput], shape: StepShape | None) -> np.ndarray:
-        """One inference of these sequences on one compiled copy, padded to shape if given."""
+    def _infer(self, copy: str, seqs: Sequence[StepInput]) -> tuple[np.ndarray, bool]:
+        """One inference of these sequences on one compiled copy: their logits rows, and whether the copy's
+        shape changed."""
         num_rows = sum(s.num_logits for s in seqs)
-        needed = StepShape.of([len(s.token_ids) for s in seqs], [s.num_logits for s in seqs])
-        if shape is not None and shape != needed:
-            if not needed.pads_to(shape):
-                raise ValueError(f"a step of shape {needed} cannot be padded to {shape}")
-            if shape.sequences > needed.sequences:  # else only logits rows are added, below
-                seqs = [*seqs, *self._padding(shape.sequences - needed.sequences, shape.tokens - needed.tokens)]
-        else:
-            shape = needed
+        rows = max(1, num_rows, BF16_ROWS if copy == "bf16" else 1)
+        shape = (sum(len(s.token_ids) for s in seqs), len(seqs), rows)
         if all(len(s.token_ids) == 1 for s in seqs):
             # The plugin's PagedAttention sums the attention of fewer one-token rows than threads (a request
             # decoding alone) in per-block partials, and every other step's row by row: the two differ in the
@@ -272,8 +262,8 @@ class ModelRunner:
             [row for i, s in enumerate(seqs) for row in range(begins[i + 1] - s.num_logits, begins[i + 1])],
             dtype=np.int64,
         )
-        if sampled.size < shape.rows:  # rows to pad (a step of prompt chunks only computes one and drops it)
-            sampled = np.concatenate([sampled, np.zeros(shape.rows - sampled.size, dtype=np.int64)])
+        if sampled.size < rows:  # rows to pad (a step of prompt pieces only computes one and drops it)
+            sampled = np.concatenate([sampled, np.zeros(rows - sampled.size, dtype=np.int64)])
         inputs = {
             "input_ids": input_ids,
             "position_ids": positions.astype(np.int64),
@@ -285,11 +275,11 @@ class ModelRunner:
             SAMPLED_ROWS: sampled,
         }
         request = self._copies()[copy]
-        self.shape_changed = self.last_shapes.get(copy) != shape
+        changed = self.last_shapes.get(copy) != shape
         self.last_shapes[copy] = shape
         request.infer(inputs, share_inputs=True)
         logits: np.ndarray = request.get_output_tensor(0).data
-        return logits[:num_rows, -1, :]
+        return logits[:num_rows, -1, :], changed
 
     @property
     def rows_alike_in_every_step(self) -> bool:
@@ -302,29 +292,17 @@ class ModelRunner:
         return bool(self.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32)
 
     @property
-    def lone_rows_apart(self) -> bool:
-        """Whether a step of one token runs on a compiled copy of its own (single_token, --fast-single-stream),
-        so that a lone decoding row is computed otherwise than rows beside others whatever the step holds."""
+    def has_single_token_copy(self) -> bool:
+        """Whether one-token steps run on the single-token copy (--fast-single-stream), so that a lone decoding
+        row is computed otherwise than rows beside others whatever the step holds."""
         return self.single_token_request is not None
 
     def copy_for(self, seqs: Sequence[StepInput]) -> str:
-        """Which compiled copy runs these sequences (a step's, long prompt pieces apart): "single_token" for
-        one token where there is that copy, else "main". Each copy keeps its own last shape (last_shapes)."""
-        return self.copy_for_tokens(sum(len(s.token_ids) for s in seqs))
-
-    def copy_for_tokens(self, tokens: int) -> str:
-        """Which compiled copy runs a step of this many tokens, long prompt pieces apart (copy_for)."""
-        if self.single_token_request is not None and tokens == 1:
+        """Which compiled copy runs these sequences (a step's, long prompt pieces apart): "single_token" for one
+        token where there is that copy, else "main"."""
+        if self.single_token_request is not None and sum(len(s.token_ids) for s in seqs) == 1:
             return "single_token"
         return "main"
-
-    def _padding(self, num_sequences: int, num_tokens: int) -> list[StepInput]:
-        """Padding sequences of num_tokens tokens in all: one token each but the last, which takes the rest;
-        each on scratch blocks of its own, from position 0, so each attends only to its own tokens."""
-        last = num_tokens - (num_sequences - 1)
-        pads = [StepInput([0], 0, [block], 0) for block in self.pad_blocks[: num_sequences - 1]]
-        blocks = self.pad_blocks[num_sequences - 1 : num_sequences - 1 + -(-last // self.block_size)]
-        return [*pads, StepInput([0] * last, 0, blocks, 0)]
 
 
 def _rows_by_sequence(logits: np.ndarray, seqs: Sequence[StepInput]) -> list[np.ndarray]:

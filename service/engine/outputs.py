@@ -1,0 +1,68 @@
+"""What the engine thread publishes, and the commands it takes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from service.core.outputs import FinishReason, TokenLogprob
+from service.core.request import Request
+from service.engine.kv_tier import LoadResult
+from service.errors import ServiceError
+
+
+@dataclass
+class EngineOutput:
+    """What a step produced for one request: new tokens and, on its last output, a finish reason or an
+    error. num_cached_tokens and queue_seconds are known from the request's first scheduling on."""
+
+    request_id: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, or none (none asked for)
+    drafted: list[bool] = field(default_factory=list)  # one per token: whether it was a draft the model kept
+    finish_reason: FinishReason | None = None
+    error: ServiceError | None = None
+    num_cached_tokens: int = 0
+    num_restored_tokens: int = 0
+    queue_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.drafted:  # none said: none was a draft
+            self.drafted = [False] * len(self.token_ids)
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: int
+
+
+Command = Request | Abort | LoadResult | None  # None only wakes the thread up
+Publish = Callable[[list[EngineOutput]], None]
+
+
+def output_of(
+    request: Request, token_ids: list[int], logprobs: list[TokenLogprob], drafted: list[bool] | None = None
+) -> EngineOutput:
+    """A request's new tokens, with its finish reason (if it finished) and what its first scheduling said."""
+    scheduled = request.first_scheduled_time
+    return EngineOutput(
+        request.id,
+        token_ids,
+        logprobs,
+        drafted or [],
+        finish_reason=request.finish_reason,
+        num_cached_tokens=request.num_cached_tokens,
+        num_restored_tokens=request.num_restored_tokens,
+        queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
+    )
+
+
+def error_of(request: Request, error: ServiceError) -> EngineOutput:
+    """A request's last output when it fails."""
+    out = output_of(request, [], [])
+    out.finish_reason, out.error = None, error
+    return out

@@ -1,0 +1,83 @@
+"""The engine's warm-up, before it serves: a first step on each compiled copy (checking the logits are finite),
+and with speculation on by default, the draft policy's table of step times."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import numpy as np
+
+from service.core.config import EngineConfig
+from service.core.spec import StepTimes
+from service.engine.inputs import verify_inputs
+from service.engine.runner import BF16_PIECE_TOKENS, ModelRunner, StepInput
+
+log = logging.getLogger(__name__)
+
+# Larger steps the table holds besides 1 to K + 1 tokens: several requests' steps reach them
+LARGER_STEPS = (16, 24, 32, 48, 64)
+# The context of the warm-up's draft steps: draft rows each read it, so a short one would price them low
+CONTEXT = 128
+
+
+def check_logits(runner: ModelRunner, config: EngineConfig) -> None:
+    """A first step on each compiled copy, from position 0 on the first blocks (no request has any yet): a prompt
+    of more than BF16_PIECE_TOKENS tokens (the bf16 copy, where there is one), 8 of its tokens (the main copy)
+    and one more token (the single-token copy, whose weights the CPU plugin packs on first use: not on a user's
+    first token). A model whose logits are not all finite cannot serve: f16 activations gave NaN for every
+    logit of SmolLM2 int8 on a CPU without native f16."""
+    length = min(BF16_PIECE_TOKENS + 1, runner.num_blocks * runner.block_size - 1)
+    prompt = [1 + i % min(1000, runner.vocab_size - 1) for i in range(length)]
+    blocks = list(range(-(-(length + 1) // runner.block_size)))
+    for tokens, start in ((prompt, 0), (prompt[:8], 0), (prompt[8:9], 8)):
+        logits = runner.execute([StepInput(tokens, start, blocks, 1)])
+        if not np.isfinite(logits).all():
+            raise ValueError(
+                f"the model's logits are not finite (NaN or inf) with activations in {runner.activation_precision} "
+                f"on this CPU: inference_precision {config.inference_precision!r} cannot serve this model here; use "
+                f"'auto' or 'f32'"
+            )
+
+
+def measure_step_times(
+    runner: ModelRunner, config: EngineConfig, draft_rows: bool, table: StepTimes, repeats: int = 3, passes: int = 2
+) -> None:
+    """Fill the draft policy's table: a lone request feeding its last token and 0 to K drafts, and a few larger
+    steps, every logits row wanted as drafts want them (as draft rows or one sequence, as the engine feeds a lone
+    request's drafts), at a context of CONTEXT tokens. Each size runs one unmeasured step (it prepares the kernels
+    of its new shape), then `repeats` measured ones, in `passes` passes over the sizes (up, then down); the
+    fastest step counts, since other work on the machine only ever adds time."""
+    capacity = runner.num_blocks * runner.block_size
+    sizes = sorted({*range(1, config.speculative_tokens + 2), *LARGER_STEPS})
+    sizes = [n for n in sizes if n <= config.max_num_batched_tokens and n < capacity - 1]
+    if not sizes:
+        return
+    context = max(1, min(CONTEXT, capacity - max(sizes) - 1))
+    blocks = list(range(-(-(context + max(sizes)) // runner.block_size)))
+    fastest = dict.fromkeys(sizes, float("inf"))
+    for p in range(passes):
+        for n in sizes if p % 2 == 0 else sizes[::-1]:
+            inputs = verify_inputs([0] * n, context, blocks, draft_rows)
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                runner.execute(inputs)
+                if i:
+                    fastest[n] = min(fastest[n], time.perf_counter() - start)
+    table.set(fastest)
+    # what a change of shape adds: steps alternating between the smallest and largest lone-request sizes
+    small, large = sizes[0], min(config.speculative_tokens + 1, sizes[-1])
+    excess = []
+    for i in range(4 * repeats):
+        n = large if i % 2 else small
+        inputs = verify_inputs([0] * n, context, blocks, draft_rows)
+        start = time.perf_counter()
+        runner.execute(inputs)
+        excess.append(time.perf_counter() - start - table.cost(n))
+    table.change_seconds = max(statistics.median(excess), 0.0)
+    log.info(
+        "speculative decoding: steps take %s ms by tokens, a change of shape %.1f ms more",
+        ", ".join(f"{n}: {1000 * s:.1f}" for n, s in table.seconds.items()),
+        1000 * table.change_seconds,
+    )
