@@ -12,7 +12,7 @@ from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig, GenerationRequest
 from service.engine.runner import ModelRunner, StepInput
 from service.errors import InvalidArgument
-from tests.reference import StatefulReference
+from tests.support.reference import StatefulReference
 
 NEW = 12
 PRECISION = "f16"  # exact comparisons: a u8 cache rounds the small differences between a chunk and one-token steps

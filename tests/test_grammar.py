@@ -17,7 +17,7 @@ from service.core.params import SamplingParams
 from service.core.request import Request
 from service.core.sampler import sample, verify
 from service.core.scheduler import Scheduler
-from service.core.speculative import Guess
+from service.core.spec import Guess
 from service.core.stop import stop_reason
 from service.errors import InvalidArgument
 from tests.support.schemas import SCHEMAS

@@ -13,7 +13,7 @@ import numpy as np
 from service.core.grammar import Matcher
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
-from service.core.speculative import DraftStats
+from service.core.spec import DraftStats
 from service.errors import InvalidArgument
 
 MAX_LABEL_CHARS = 128

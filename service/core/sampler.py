@@ -26,7 +26,7 @@ from service.core.grammar import allowed
 from service.core.outputs import TokenLogprob
 from service.core.params import SamplingParams
 from service.core.request import Request
-from service.core.speculative import accept_greedy
+from service.core.spec import accept_greedy
 
 # The logprob reported for a token that cannot be chosen (a grammar or min_new_tokens rules it out, or a
 # penalty sent it below float32's range): JSON has no -inf, and OpenAI reports such tokens with this value.
