@@ -160,7 +160,7 @@ def test_unsupported_content_and_unknown_model(sdk, model, server):
     assert err.value.body["param"] == "messages[0].content[0].type"
     with pytest.raises(openai.NotFoundError) as err:
         chat(sdk, "gpt-4o")
-    assert err.value.body["param"] == "model" and err.value.body["code"] == "not_found"
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("gpt-4o")
     assert sdk.models.retrieve(model).id == model and [m.id for m in sdk.models.list()] == [model]

@@ -272,8 +272,8 @@ def test_a_planning_failure_after_a_load_started_leaks_nothing(disk_engine, comp
     scheduler = disk_engine.core.scheduler
     real_schedule = scheduler.schedule
 
-    def schedule(keeps_shape=None):
-        plan = real_schedule(keeps_shape)
+    def schedule():
+        plan = real_schedule()
         if plan.loads:  # the load was planned, but the plan never reaches the engine
             monkeypatch.undo()
             raise RuntimeError("injected planning failure")

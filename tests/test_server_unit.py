@@ -447,7 +447,13 @@ def test_fake_engine_lifecycle_errors_and_auth(loop, tmp_path):
     token = tmp_path / "token"
     token.write_text("t0k\n")
     config = ServerConfig(
-        model="", port=0, metrics_port=0, http_port=0, drain_grace_seconds=5, auth_token_file=str(token)
+        model="",
+        port=0,
+        metrics_port=0,
+        http_port=0,
+        drain_grace_seconds=5,
+        drain_delay_seconds=0,  # refusals at once: the drain delay has its own test (test_http)
+        auth_token_file=str(token),
     )
     engine = FakeEngine()
 

@@ -248,13 +248,9 @@ def test_grammar_with_speculative_decoding(smollm2_ir, monkeypatch):
     """Prompt lookup proposes drafts copied from the prompt; those the grammar forbids are never offered, the
     kept ones count, and every reply is still valid. The cost rule offers every draft (it reads the busy
     machine's step times, and this test is about what the grammar does to drafts)."""
-    from service.core import scheduler as scheduler_module
+    from service.core.spec import DraftPolicy
 
-    monkeypatch.setattr(
-        scheduler_module,
-        "choose_drafts",
-        lambda cost, requests, fits=None, regret=None: [limit for _, limit, _ in requests],
-    )
+    monkeypatch.setattr(DraftPolicy, "choose", lambda self, candidates, step: [limit for _, limit in candidates])
     running = Running(base_config(smollm2_ir, speculation="auto", speculative_tokens=4))
     schema = SCHEMAS["enum_and_array"]
     example = '{"color": "green", "tags": ["a", "b"]} ' * 6 + "plain words that no grammar here admits " * 4
