@@ -12,11 +12,9 @@ from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig, GenerationRequest
 from service.engine.runner import ModelRunner, StepInput
 from service.errors import InvalidArgument
+from tests.support.cpu import rows_alike_in_every_step
+from tests.support.engine import GREEDY, NEW, PRECISION, assert_no_blocks_held, collect, prompts, run
 from tests.support.reference import StatefulReference
-
-NEW = 12
-PRECISION = "f16"  # exact comparisons: a u8 cache rounds the small differences between a chunk and one-token steps
-GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -39,38 +37,6 @@ def engine(tiny_qwen3_fp16_ir):
 @pytest.fixture(scope="module")
 def reference(tiny_qwen3_fp16_ir):
     return StatefulReference(tiny_qwen3_fp16_ir)
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 150_000) for _ in range(rng.randint(3, 150))] for _ in range(n)]
-
-
-async def collect(engine: Engine, prompt, params=GREEDY, delay: float = 0.0, **kw):
-    await asyncio.sleep(delay)
-    tokens, text, last = [], "", None
-    async for out in engine.generate(GenerationRequest(prompt, params, **kw)):
-        tokens += out.token_ids
-        text += out.text
-        last = out
-    return tokens, text, last
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def assert_no_blocks_held(engine: Engine):
-    async def settle():
-        for _ in range(100):
-            s = engine.stats()
-            if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks:
-                return s
-            await asyncio.sleep(0.02)
-        return engine.stats()
-
-    s = run(settle())
-    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_total_blocks)
 
 
 def test_greedy_matches_reference(engine, reference):
@@ -409,6 +375,7 @@ def test_int4_weights_are_served_as_the_stateful_ir_runs_them(tiny_qwen3_int4_ir
         engine.shutdown()
 
 
+@rows_alike_in_every_step
 @pytest.mark.parametrize("pieces", [None, 0])
 def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir, pieces):
     """int8 weights, a u8 cache and auto precision, as served: a prompt computed alone and beside 6 or 14
@@ -450,6 +417,7 @@ def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir
         engine.shutdown()
 
 
+@rows_alike_in_every_step
 def test_a_request_decoding_alone_gets_the_logprobs_it_gets_beside_another(tiny_qwen3_ir):
     """int8 weights, a u8 cache and auto precision, as served: a request's log-probabilities are the same to the
     bit whether it decodes alone or beside another request. The plugin computes a lone one-token row's attention
@@ -472,6 +440,7 @@ def test_a_request_decoding_alone_gets_the_logprobs_it_gets_beside_another(tiny_
         engine.shutdown()
 
 
+@rows_alike_in_every_step
 def test_decoding_logprobs_do_not_depend_on_prompts_sharing_their_steps(tiny_qwen3_ir):
     """int8 weights, a u8 cache and auto precision, as served: two requests decoding alone and while prompts of
     100 tokens arrive get the same log-probabilities at every position, to the bit. Where there is a bf16 copy,

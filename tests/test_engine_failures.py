@@ -13,7 +13,7 @@ from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig
 from service.engine.runner import StepInput
 from service.errors import EngineFailure
-from tests.test_engine import assert_no_blocks_held, collect, run
+from tests.support.engine import assert_no_blocks_held, collect, run
 
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 POISON = 4242  # a prompt starting with this token fails every step it is in

@@ -24,7 +24,8 @@ from service.core.stats import EngineStats
 from service.engine import Engine, GenerationRequest
 from service.engine.inputs import step_inputs
 from service.engine.runner import ModelRunner, StepInput
-from tests.test_server import TIMEOUT, Running, base_config, free_port
+from tests.support.cpu import rows_alike_in_every_step
+from tests.support.servers import TIMEOUT, Running, base_config, free_port
 
 SERVED = {"kv_cache_precision": "u8", "inference_precision": "auto"}  # int8 weights as served
 
@@ -220,6 +221,7 @@ def test_draft_rows_are_computed_as_decode_steps_compute_them(runner):
     assert not np.array_equal(one_sequence, decoded)
 
 
+@rows_alike_in_every_step
 def test_a_lone_decoding_row_is_computed_as_beside_other_sequences(runner):
     """int8 weights and a u8 cache: a request decoding alone gets the very logits its row gets beside another
     sequence. Without the runner's empty sequence the plugin sums a lone row's attention in per-block partials,
@@ -235,6 +237,7 @@ def test_a_lone_decoding_row_is_computed_as_beside_other_sequences(runner):
         np.testing.assert_array_equal(alone[0], beside[0])
 
 
+@rows_alike_in_every_step
 def test_speculation_on_int8_weights_alone_gives_the_greedy_tokens_and_logprobs_of_plain_decoding(
     tiny_qwen3_ir, every_draft
 ):

@@ -1,6 +1,4 @@
-"""Driving an Engine directly: random prompts, collecting a request's replies, waiting for every block back.
-
-Shared with test_engine.py's helpers of the same names (the engine tests' owner moves them here)."""
+"""Driving an Engine directly: random prompts, collecting a request's replies, waiting for every block back."""
 
 import asyncio
 import random
