@@ -381,19 +381,17 @@ def test_a_step_keeps_its_rows_unless_a_change_pays():
     assert policy.choose([(copying, 5)], StepLoad(1)) == [5]
 
 
-def test_drafts_move_within_the_rows_to_the_request_that_copies():
-    """Kept rows go where drafts are worth most: a request whose guess ran out gives its room to one that copies,
-    and rows short of the last step's go to requests that have drafts, past their guesses."""
+def test_beside_other_sequences_the_best_numbers_are_taken_whatever_the_last_step():
+    """Rows are kept for a lone decoding request only: beside other sequences, keeping them filled steps with drafts
+    past their guesses (writing at 4 streams 0.80x plain against 0.955x, docs/SPECULATIVE.md)."""
     table = StepTimes()
     table.set({1: 0.0126, 2: 0.0130, 4: 0.0140, 8: 0.0158, 16: 0.0214})
-    table.change_seconds = 0.030  # changes dear: the rows are kept
-    missing, copying, short = runs_of(*[0] * 10), runs_of(*[8] * 10), runs_of(*[2] * 10)
+    table.change_seconds = 0.030  # changes dear
+    missing, copying = runs_of(*[0] * 10), runs_of(*[8] * 10)
     policy = DraftPolicy(8, table)
     policy.last = (2, 7)  # two sequences, five drafts
-    assert policy.choose([(missing, 8), (copying, 8)], StepLoad(2, 2, 2)) == [0, 5]
-    policy.last = (2, 8)
-    assert policy.choose([(missing, 8), (short, 8)], StepLoad(2, 2, 2)) == [0, 6]  # runs of two, topped up
-    assert DraftPolicy(8, table).choose([(missing, 8), (copying, 8)], StepLoad(2, 2, 2)) == [0, 8]  # no step before
+    assert policy.choose([(missing, 8), (copying, 8)], StepLoad(2, 2, 2)) == [0, 8]
+    assert policy.last is None and policy.regret == 0.0
 
 
 def test_the_step_table_interpolates_extrapolates_and_never_prices_a_row_at_nothing():

@@ -4,7 +4,7 @@ A request's k drafts add k rows to the step and are expected to add E(k) - 1 tok
 nearly free in a small step, which is bound by reading the weights, and must be likely to be kept in a large
 one, which is bound by compute: each request in turn takes the k that gives the step the most tokens per
 second, its drafts' rows priced by the table (StepTimes) at the step's rows so far. A step of other rows than
-the one before costs the CPU plugin a change of shape (StepTimes.change_seconds), so the step keeps the last
+the one before costs the CPU plugin a change of shape (StepTimes.change_seconds), so a lone request keeps the last
 step's rows unless the better numbers pay for that (choose). docs/SPECULATIVE.md has the measurements.
 """
 
@@ -116,13 +116,14 @@ class DraftPolicy:
     def choose(self, candidates: Sequence[Candidate], step: StepLoad) -> list[int]:
         """The number of drafts for each candidate, up to its limit: each in turn takes the number that gives
         the step the most expected tokens per second, its rows priced after the rows chosen before it. Where
-        those numbers change the rows of the last decoding step of as many sequences, the step takes the numbers
+        those numbers change the rows of the last step of a lone decoding request, the step takes the numbers
         that keep them instead, unless the change pays (HORIZON, CHANGES, regret)."""
         expected = [stats.expected_tokens_up_to(limit) for stats, limit in candidates]
         best, best_rate, best_seconds = self._in_turn(expected, step)
         tokens = step.tokens + sum(best)
-        # a step with a prompt piece takes the piece's shape anyway: only decoding steps keep rows
-        decoding = step.tokens == step.sequences
+        # rows are kept for a lone decoding request only: a step with a prompt piece takes the piece's shape anyway,
+        # and beside other sequences keeping rows filled steps with drafts past their guesses (docs/SPECULATIVE.md)
+        decoding = step.tokens == step.sequences == 1
         last, self.last = self.last, (step.sequences, tokens) if decoding else None
         room = None if last is None or not decoding or last[0] != step.sequences else last[1] - step.tokens
         if room is None or room == sum(best) or not 0 <= room <= sum(len(e) - 1 for e in expected):
