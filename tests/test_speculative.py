@@ -309,14 +309,20 @@ def test_speculation_at_auto_precision_gives_plain_decodings_logprobs_while_prom
 def test_drafts_go_as_rows_alone_too(tiny_qwen3_ir, every_draft, monkeypatch):
     """auto: drafts go as one-token rows beside another request and alone (the runner gives a lone row the path
     of rows beside others, so rows make a lone request's drafts exact too)."""
-    steps = []  # steps with drafts: (requests in the step, whether every sequence is one token)
+    steps = []  # steps with drafts: (requests sampled in the step, whether every drafting one went as rows)
     runner = shared_engine(tiny_qwen3_ir, **SERVED, **SPEC).core.runner
     real_step = runner.step
 
     def step(seqs):
-        wanted = [s for s in seqs if s.num_logits > 0]
-        if sum(s.num_logits for s in wanted) > len({tuple(s.block_ids) for s in wanted}):  # drafts
-            steps.append((len({tuple(s.block_ids) for s in wanted}), all(len(s.token_ids) == 1 for s in wanted)))
+        sampled: dict[tuple[int, ...], list] = {}  # a request's sequences share its block table
+        for s in seqs:
+            if s.num_logits > 0:
+                sampled.setdefault(tuple(s.block_ids), []).append(s)
+        # a request that verifies drafts wants more than one row; another request's prompt piece may share the
+        # step (it arrived a step later), and is no draft
+        drafting = [group for group in sampled.values() if sum(s.num_logits for s in group) > 1]
+        if drafting:
+            steps.append((len(sampled), all(len(s.token_ids) == 1 for group in drafting for s in group)))
         return real_step(seqs)
 
     monkeypatch.setattr(runner, "step", step)
