@@ -6,9 +6,9 @@ with 1 thread each, same closed-loop load (8 concurrent streams), through the cl
 replicas (configured by deploy/lb.py), hashing on x-session-id against round robin: time to first token of
 the later turns and the prompt tokens they had to compute.
 `python -m bench.replicas drain --model DIR`: steady load through each routing recipe (HAProxy, Envoy) over
-three replicas from clients that never retry, while one replica is drained (SIGTERM) and then all three are
-restarted one after another; requests that failed, with --drain-delay-seconds 0 (refusing new requests at once)
-against the default delay, in the same run.
+three replicas from clients that never retry, while the three are restarted one after another (each drained
+with SIGTERM, then started again on its port); requests that failed, with --drain-delay-seconds 0 (refusing new
+requests at once) against the default delay, in the same run.
 """
 
 from __future__ import annotations
