@@ -94,8 +94,8 @@ class Tools:
         return self.choice.parallel and self.choice.mode is not Mode.NAMED
 
     def schemas(self) -> list[ResponseFormat]:
-        """Each tool's call as a JSON schema, named by the tool's parameters: checked one by one, a schema that
-        does not compile is reported at its own tool rather than as the whole reply's grammar."""
+        """Each tool's call as a JSON schema, named by the tool's parameters: compiled one by one when the whole
+        reply's grammar does not compile, so that the error names the tool at fault."""
         return [
             ResponseFormat.json_schema(json.dumps(_call_schema(t)), f"tools[{i}].parameters")
             for i, t in enumerate(self.tools)

@@ -101,10 +101,10 @@ class Engine:
                 raise InvalidArgument("response_format", "cannot be combined with tools")
             call_ids = self.tool_call_ids()
             response_format = asked.tools.response_format(*call_ids)
-        checked_first = asked.tools.schemas() if call_ids is not None and asked.tools is not None else []
+        tool_schemas = asked.tools.schemas() if call_ids is not None and asked.tools is not None else []
         matcher = None
         if response_format is not None:
-            matcher = await asyncio.to_thread(self._matcher, response_format, checked_first)
+            matcher = await asyncio.to_thread(self._matcher, response_format, tool_schemas)
         request = self._make_request(asked, matcher)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.id] = stream
@@ -136,10 +136,15 @@ class Engine:
             if not ended:
                 self.core.abort(request.id)
 
-    def _matcher(self, fmt: ResponseFormat, checked_first: list[ResponseFormat]) -> Matcher:
-        for schema in checked_first:  # compiled and cached: the whole grammar reuses none of it, but errors
-            self.grammars.compile(schema)  # name the tool whose parameters are at fault
-        return self.grammars.matcher(fmt)
+    def _matcher(self, fmt: ResponseFormat, tool_schemas: list[ResponseFormat]) -> Matcher:
+        """The format's matcher. Where a reply with tools does not compile, each tool's schema is compiled alone,
+        so that the error names the tool whose parameters are at fault rather than the whole grammar."""
+        try:
+            return self.grammars.matcher(fmt)
+        except InvalidArgument:
+            for schema in tool_schemas:
+                self.grammars.compile(schema)
+            raise
 
     def tool_call_ids(self) -> tuple[int, int]:
         """The tokens that open and close a tool call in the model's format (Qwen3's)."""

@@ -3,7 +3,7 @@ test's fake engine) satisfies. Fronts build a GenerationRequest from their wire 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,4 +49,6 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        """An async generator: closing it (aclose) before the last output aborts the request."""
+        ...

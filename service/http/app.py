@@ -75,10 +75,16 @@ def refuse(call: Call, exc: Exception) -> Response:
     if isinstance(exc, ClientGone):
         call.finish(CLIENT_GONE)
         return Response(status_code=CLIENT_GONE)  # nobody reads it
-    status = status_of(exc).code
-    call.finish(status, exc, failed=status == 500)
+    status = finish_failed(call, exc)
     headers = id_header(call) | ({"WWW-Authenticate": "Bearer"} if status == 401 else {})
     return JSONResponse(error_body(exc), status, headers)
+
+
+def finish_failed(call: Call, exc: Exception) -> int:
+    """Count and log a call that ended with exc (a refusal, or a server failure with its traceback); its status."""
+    status = status_of(exc).code
+    call.finish(status, exc, failed=status == 500)
+    return status
 
 
 def id_header(call: Call) -> dict[str, str]:
@@ -231,7 +237,7 @@ class Api:
         try:
             outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))
         except BaseException as exc:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
             if not isinstance(exc, Exception):
                 call.finish(CLIENT_GONE)  # cancelled: the server is stopping
                 raise
@@ -239,7 +245,7 @@ class Api:
         if parsed.stream:
             events = self.events(call, reply, outputs[0], stream, clock)
             return EventStream(events, self.stream_done(call, stream), id_header(call))
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
         call.output = outputs[-1]
         call.finish(200)
         return JSONResponse(reply.response(outputs), headers=id_header(call))
@@ -283,12 +289,11 @@ class Api:
             yield sse.event(error_body(exc))
         yield sse.DONE
 
-    def stream_done(self, call: Call, stream: AsyncIterator[RequestOutput]) -> Callable[[], Awaitable[None]]:
+    def stream_done(self, call: Call, stream: AsyncGenerator[RequestOutput, None]) -> Callable[[], Awaitable[None]]:
         async def finish() -> None:  # exactly once, however the stream ends
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
             if call.error is not None:
-                code = status_of(call.error).code
-                call.finish(code, call.error, failed=code == 500)
+                finish_failed(call, call.error)
             else:
                 call.finish(200 if call.output is not None else CLIENT_GONE)
 

@@ -101,7 +101,7 @@ class GenerationServicer:
                         call.output = out
                     yield out
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
 
     @asynccontextmanager
     async def call(self, rpc: str, context: grpc.aio.ServicerContext, generation: bool = False):
