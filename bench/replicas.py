@@ -91,6 +91,20 @@ def start_replicas(
     return replicas
 
 
+def wait_listening(name: str, proc: subprocess.Popen, log: Path, port: int, timeout: float) -> None:
+    """Until the load balancer accepts connections on port; its log's tail if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{name} did not listen")
+
+
 class HAProxy:
     """Debian's haproxy in the foreground on a configuration written by deploy/lb.py."""
 
@@ -105,16 +119,7 @@ class HAProxy:
         with self.log.open("w") as out:
             self.proc = subprocess.Popen([exe, "-db", "-f", str(self.config)], stdout=out, stderr=subprocess.STDOUT)
         self.target = f"127.0.0.1:{pool.listen_port}"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"haproxy exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", pool.listen_port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError("haproxy did not listen")
+        wait_listening("haproxy", self.proc, self.log, pool.listen_port, 10)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -360,16 +365,7 @@ class Envoy:
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         self.target = f"127.0.0.1:{pool.listen_port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", pool.listen_port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise TimeoutError("envoy did not listen")
+        wait_listening("envoy", self.proc, self.log, pool.listen_port, 30)
 
     def stop(self) -> None:
         HAProxy.stop(self)  # type: ignore[arg-type]

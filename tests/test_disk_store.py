@@ -13,6 +13,7 @@ import pytest
 
 from service.engine.disk_store import ABANDONED_AFTER_SECONDS, HEADER, DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
+from tests.support.disk import Reports, wait_written
 
 IDENTITY = hashlib.sha256(b"engine").digest()
 
@@ -199,28 +200,6 @@ def cache_arrays(num_blocks: int = 8) -> list[np.ndarray]:
         rng.integers(0, 255, (num_blocks, 2, 5, 4), dtype=np.uint8),
         rng.standard_normal((num_blocks, 2, 4, 4)).astype(np.float16),
     ]
-
-
-class Reports:
-    def __init__(self) -> None:
-        self.results: list[LoadResult] = []
-        self.event = threading.Event()
-
-    def __call__(self, result: LoadResult) -> None:
-        self.results.append(result)
-        self.event.set()
-
-    def wait(self) -> LoadResult:
-        assert self.event.wait(10), "the load was never reported"
-        self.event.clear()
-        return self.results[-1]
-
-
-def wait_written(store: DiskStore, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while store.counters.num_written < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.counters.num_written == n
 
 
 def test_blocks_round_trip_byte_for_byte(tmp_path):

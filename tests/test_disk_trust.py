@@ -17,7 +17,8 @@ import pytest
 
 import service.engine.disk_store as disk_store
 from service.engine.disk_store import ABANDONED_AFTER_SECONDS, HEADER, DiskStore
-from service.engine.kv_tier import KVDiskTier, LoadResult
+from service.engine.kv_tier import KVDiskTier
+from tests.support.disk import Reports, wait_written
 
 IDENTITY = hashlib.sha256(b"engine").digest()
 OTHER_IDENTITY = hashlib.sha256(b"another model").digest()
@@ -181,28 +182,6 @@ def test_a_file_it_cannot_read_is_one_corrupt_block(tmp_path, caplog, monkeypatc
 def cache_arrays(num_blocks: int = 8) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     return [rng.integers(0, 255, (num_blocks, 2, 5, 4), dtype=np.uint8)]
-
-
-class Reports:
-    def __init__(self) -> None:
-        self.results: list[LoadResult] = []
-        self.event = threading.Event()
-
-    def __call__(self, result: LoadResult) -> None:
-        self.results.append(result)
-        self.event.set()
-
-    def wait(self) -> LoadResult:
-        assert self.event.wait(10), "the load was never reported"
-        self.event.clear()
-        return self.results[-1]
-
-
-def wait_written(store: DiskStore, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while store.counters.num_written < n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.counters.num_written == n
 
 
 @pytest.mark.parametrize("when", ["before start", "while running"])
