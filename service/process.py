@@ -116,8 +116,7 @@ class Server:
             log.info("not ready; still serving new requests for %.3g s while load balancers catch up", delay)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.hurrying.wait(), delay)
-        serving.drain()
-        await self.grpc.refuse_new()
+        serving.drain()  # health watchers hear NOT_SERVING through the serving state's listeners
         grace = self.config.drain_grace_seconds if grace_seconds is None else grace_seconds
         deadline = time.monotonic() + grace
         while serving.num_in_flight and time.monotonic() < deadline and not self.hurrying.is_set():

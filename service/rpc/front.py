@@ -142,8 +142,7 @@ class Health(health.aio.HealthServicer):
     async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> Any:  # noqa: N802
         if request.service not in HEALTH_NAMES:
             return await super().Check(request, context)
-        serving = self.serving.ready and not self._gracefully_shutting_down
-        return health_pb2.HealthCheckResponse(status=status(serving))
+        return health_pb2.HealthCheckResponse(status=status(self.serving.ready))
 
     def changed(self, ready: bool) -> None:
         task = asyncio.get_running_loop().create_task(self.publish(ready))
@@ -236,10 +235,6 @@ class GrpcFront:
     async def start(self) -> None:
         await self.health.publish(False)
         await self.server.start()
-
-    async def refuse_new(self) -> None:
-        """Health NOT_SERVING for good: the drain has begun."""
-        await self.health.enter_graceful_shutdown()
 
     async def stop(self, grace: float) -> None:
         await self.server.stop(grace=grace)
