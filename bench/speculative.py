@@ -35,7 +35,7 @@ from statistics import median
 from typing import Any
 
 from bench import run, workers
-from service.core.config import VERIFY_DRAFTS, EngineConfig
+from service.core.config import EngineConfig
 from service.engine import GenerationRequest
 
 HERE = Path(__file__).resolve().parent
@@ -51,7 +51,7 @@ def ours(
     ngram: int,
     precision: str | None = None,
     max_seqs: int | None = None,
-    verify_drafts: str | None = None,
+    deterministic: bool | None = None,
 ) -> Any:
     settings: dict[str, Any] = {
         "speculation": "auto" if k else "off",
@@ -62,8 +62,8 @@ def ours(
         settings["speculative_max_seqs"] = max_seqs
     if precision is not None:
         settings["inference_precision"] = precision
-    if verify_drafts is not None:
-        settings["verify_drafts"] = verify_drafts
+    if deterministic is not None:
+        settings["deterministic"] = deterministic
     return workers.our_engine(
         {"model": model, "budget": workers.budget_dict(workers.BUDGET)}, prefix_caching=False, settings=settings
     )
@@ -176,22 +176,25 @@ def cost_curve(
 ) -> dict[str, Any]:
     """Step time against tokens per step: `batch` decoding sequences (each `context` tokens long) each feeding
     its last token plus 0..max_drafts drafts, every logits row wanted, as verify steps do: as one sequence a
-    request and as one-token rows (what --verify-drafts auto feeds in f32, a request decoding alone included).
+    request (fast steps, --no-deterministic) and as one-token rows (deterministic steps, the default).
     Median of `repeats` after one unmeasured step per shape; also as a multiple of the step without drafts."""
     from service.core.config import EngineConfig
-    from service.engine.inputs import verify_inputs
-    from service.engine.runner import ModelRunner
+    from service.engine.runner import ModelRunner, StepInput
 
-    runner = ModelRunner(Path(model) / "openvino_model.xml", EngineConfig(kv_cache_gb=1.0))
+    ir = Path(model) / "openvino_model.xml"
+    runners = {
+        rows_form: ModelRunner(ir, EngineConfig(kv_cache_gb=1.0, deterministic=rows_form))
+        for rows_form in (False, True)
+    }
     curve: dict[str, Any] = {}
     for context in contexts:
-        per_seq = -(-(context + max_drafts + 1) // runner.block_size)
+        per_seq = -(-(context + max_drafts + 1) // runners[True].block_size)
         for batch in batches:
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-            for rows_form in (False, True):
+            for rows_form, runner in runners.items():
                 rows = []
                 for drafts in range(max_drafts + 1):
-                    seqs = [r for t in tables for r in verify_inputs([1] * (1 + drafts), context, t, rows_form)]
+                    seqs = [StepInput([1] * (1 + drafts), context, t, 1 + drafts) for t in tables]
                     runner.execute(seqs)
                     times = []
                     for _ in range(repeats):
@@ -278,13 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--our-precision",
-        choices=("f32", "bf16", "f16", "auto"),
+        choices=("f32", "bf16", "f16"),
         help="ovserve's --inference-precision (default: its own default)",
     )
     p.add_argument(
-        "--our-verify-drafts",
-        choices=VERIFY_DRAFTS,
-        help="ovserve's --verify-drafts for the lookup side (default: its own default)",
+        "--our-fast-steps",
+        action="store_true",
+        help="ovserve's --no-deterministic for the lookup side: drafts verified as one sequence",
     )
     p.add_argument(
         "--genai-precision",
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     our_k = EngineConfig().speculative_tokens if a.our_k is None else a.our_k
     per_stream = a.requests_per_stream if a.arrivals == "closed" else 1
     ours_plain = ours(a.model, 0, a.ngram, a.our_precision)
-    ours_lookup = ours(a.model, our_k, a.ngram, a.our_precision, a.our_max_seqs, a.our_verify_drafts)
+    ours_lookup = ours(a.model, our_k, a.ngram, a.our_precision, a.our_max_seqs, False if a.our_fast_steps else None)
     engines: dict[str, Serve] = {"ovserve": ours_serve(ours_plain), "ovserve+lookup": ours_serve(ours_lookup)}
     single: dict[str, Serve] = {}
     if not a.ours_only:
@@ -332,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "our_k": our_k,
         "our_precision": ours_plain.config.inference_precision,
         "our_max_seqs": ours_lookup.config.speculative_max_seqs,
-        "our_verify_drafts": ours_lookup.config.verify_drafts,
+        "our_deterministic": ours_lookup.config.deterministic,
         "genai_precision": a.genai_precision or "the plugin's default",
         "ngram": a.ngram,
         "max_new_tokens": a.max_new_tokens,

@@ -12,7 +12,6 @@ from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig, GenerationRequest
 from service.engine.runner import ModelRunner, StepInput
 from service.errors import InvalidArgument
-from tests.support.cpu import rows_alike_in_every_step
 from tests.support.engine import GREEDY, NEW, PRECISION, assert_no_blocks_held, collect, prompts, run
 from tests.support.reference import StatefulReference
 
@@ -200,123 +199,42 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
     assert len(tokens) == NEW
 
 
-def test_auto_precision_runs_prompt_chunks_on_a_bf16_copy_sharing_the_kv_cache(tiny_qwen3_fp16_ir, reference):
-    """auto: prompt pieces of more than 32 tokens on a bf16 copy where the plugin defaults to bf16, apart from
-    the other sequences of their step, which run in f32.
-    The f32 steps continue from the KV the bf16 copy wrote (the u8 cache, whose type both share): replies
-    agree with the f32 reference but for near ties that bf16 or the u8 cache round the other way, so most
-    tokens, not all, must match."""
-    engine = Engine(
-        tiny_qwen3_fp16_ir, EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=64, inference_precision="auto")
-    )
-    engine.start()
-    try:
-        plugin_default = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
-        assert (engine.core.runner.bf16_request is not None) == ("bfloat16" in plugin_default)
-        ps = [p * 2 for p in prompts(3, seed=13)]  # prompts of more than 32 tokens: a bf16 step where there is one
-
-        async def main():
-            return await asyncio.gather(*(collect(engine, p) for p in ps))
-
-        replies = [tokens for tokens, _, _ in run(main())]
-        assert all(len(tokens) == NEW for tokens in replies)
-        expected = [reference.greedy(p, NEW) for p in ps]
-        matching = [sum(a == b for a, b in zip(*pair, strict=True)) for pair in zip(replies, expected, strict=True)]
-        assert sum(matching) >= len(ps) * NEW // 2, matching
-        assert_no_blocks_held(engine)
-    finally:
-        engine.shutdown()
-    runner = ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
-    if runner.bf16_request is not None:  # prompt pieces of more than 32 tokens go to bf16, apart
-        for i in range(3):  # three prompts of 8 tokens, decoding from position 8
-            runner.execute([StepInput([5 + i] * 8, 0, [i], 1)])
-        decoding = [StepInput([7 + i], 8, [i], 1) for i in range(3)]
-        alone = runner.execute(decoding).copy()
-        assert runner.last_shapes.keys() == {"main"}
-        piece = StepInput([1] * 40, 0, [8, 9], 1)
-        beside = runner.execute([decoding[0], piece, *decoding[1:]])
-        assert runner.last_shapes.keys() == {"main", "bf16"}
-        assert runner.last_shapes["main"] == (3, 3, 3)
-        assert runner.last_shapes["bf16"] == (40, 1, 8)  # logits rows padded to 8 in bf16
-        assert beside.shape == (4, alone.shape[1])
-        # the decoding rows are computed as without the piece, to the bit, and come back in the step's order
-        assert np.array_equal(beside[[0, 2, 3]], alone)
-        assert np.array_equal(beside[1], runner.execute([piece])[0])
-        assert runner.copy_for([StepInput([1] * 22, 0, [8, 9], 1)]) == "main"  # a short piece: f32
-        verifying = [StepInput([1] * 6, 8, [i], 6) for i in range(8)]  # drafts: f32 whatever the step's size
-        assert not any(runner.on_bf16(s) for s in verifying) and runner.copy_for(verifying) == "main"
-        many = [StepInput([1], 8, [i], 1) for i in range(30)]  # many one-token rows: f32
-        report = runner.step(many)
-        assert report.copies == ("main",) and runner.last_shapes["main"] == (30, 30, 30)
-        report = runner.step([decoding[0], piece])  # both copies, the main copy's shape changed
-        assert report.copies == ("bf16", "main") and report.shape_changed
-        assert not runner.step([decoding[0], piece]).shape_changed  # the same shapes again
-    f16_cache = EngineConfig(kv_cache_gb=0.02, kv_cache_precision="f16", inference_precision="auto")
-    assert ModelRunner(tiny_qwen3_fp16_ir / "openvino_model.xml", f16_cache).bf16_request is None  # bf16's
+def test_deterministic_steps_feed_every_token_as_a_row_and_never_one_row_alone(tiny_qwen3_ir):
+    """Deterministic steps (the default): a prompt piece goes to the model as one-token rows, a lone decoding
+    row gets a padding row on the runner's own block (never a request's), and a row's logits are the same
+    whether its position ends a prompt piece or is decoded beside another request. Fast steps feed the piece as
+    it comes, and its last row is computed otherwise (the check that the test can tell)."""
+    ir = tiny_qwen3_ir / "openvino_model.xml"
+    rows, fast = (ModelRunner(ir, EngineConfig(kv_cache_gb=0.02, deterministic=d)) for d in (True, False))
+    assert rows.pad_block == rows.num_blocks  # past every block a request can get
+    rng = random.Random(3)
+    prompt, other = [rng.randrange(100, 150_000) for _ in range(40)], [rng.randrange(100, 150_000) for _ in range(9)]
+    ends = {}
+    for runner in (rows, fast):
+        runner.execute([StepInput(other, 0, [5], 1)])
+        report = runner.step([StepInput(prompt, 0, [0, 1], 1)])
+        ends[runner is rows] = report.logits[0].copy()
+        assert report.shape_changed
+        # tokens, sequences (an empty one after one-token rows) and logits rows (2 at least)
+        assert runner.last_shape == ((40, 41, 2) if runner is rows else (40, 1, 2))
+        assert not runner.step([StepInput(prompt, 0, [0, 1], 1)]).shape_changed  # the same shape again
+        decoded = runner.execute([StepInput(prompt[-1:], 39, [0, 1], 1), StepInput(other[-1:], 8, [5], 1)])[0]
+        assert np.array_equal(decoded, ends[runner is rows]) == (runner is rows)
+        lone = runner.execute([StepInput(prompt[-1:], 39, [0, 1], 1)])[0]
+        assert runner.last_shape == ((2, 3, 2) if runner is rows else (1, 2, 2))
+        if runner is rows:
+            assert np.array_equal(lone, decoded)
 
 
 def test_a_prompts_first_logits_do_not_depend_on_another_prompt_ending_in_its_step(tiny_qwen3_ir):
-    """int8 weights at auto: two prompts' last pieces in one bf16 inference. bf16 rounds a row by how many
-    rows the final matmul computes (0.03 apart here with one row against two), so that inference computes 8
-    rows at least: the first prompt's logits are those it gets alone."""
+    """int8 weights, deterministic steps: two prompts' last pieces in one step give the first prompt the logits
+    it gets alone (its rows are computed alike whatever shares the step, its logits row beside another too)."""
     runner = ModelRunner(tiny_qwen3_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
-    if runner.bf16_request is None:
-        pytest.skip("no bf16 copy on this CPU")
     rng = random.Random(1)
     first, ending = ([rng.randrange(100, 150_000) for _ in range(64)] for _ in range(2))
     alone = runner.execute([StepInput(first, 0, [0, 1, 2], 1)])[0].copy()
     together = runner.execute([StepInput(first, 0, [0, 1, 2], 1), StepInput(ending, 0, [20, 21, 22], 1)])
     assert np.array_equal(together[0], alone)
-
-
-def test_fast_single_stream_shares_the_kv_cache(tiny_qwen3_fp16_ir, reference):
-    """Prompt chunks run on the main compiled model, one-token steps on the copy: with uncompressed weights
-    (no dynamic quantization either way) the copy must continue exactly from the KV the main one wrote."""
-    config = EngineConfig(
-        kv_cache_gb=0.02,
-        max_num_batched_tokens=64,
-        kv_cache_precision=PRECISION,
-        inference_precision="f32",
-        fast_single_stream=True,
-    )
-    fast = Engine(tiny_qwen3_fp16_ir, config)
-    fast.start()
-    try:
-        assert fast.core.runner.has_single_token_copy
-        ps = prompts(4, seed=11)
-
-        async def main():
-            alone = await collect(fast, ps[0])  # prefill on the main model, then only one-token steps
-            together = await asyncio.gather(*(collect(fast, p, delay=0.05 * i) for i, p in enumerate(ps[1:])))
-            return [alone, *together]
-
-        for p, (tokens, _, _) in zip(ps, run(main()), strict=True):
-            assert tokens == reference.greedy(p, NEW)
-        assert_no_blocks_held(fast)
-    finally:
-        fast.shutdown()
-
-
-def test_fast_single_stream_runs_one_token_steps_without_dynamic_quantization(tiny_qwen3_ir):
-    """With one token per step everything runs on the copy, so the log-probabilities must be those of a
-    model compiled with dynamic quantization off, and (showing the test can tell) not those of the default."""
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
-    prompt = prompts(1, seed=5)[0][:20]
-
-    def logprobs(**settings) -> list[float]:
-        e = Engine(tiny_qwen3_ir, EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=1, **settings))
-        e.start()
-        try:
-            return [lp.logprob for lp in run(_all_logprobs(e, prompt, params))]
-        finally:
-            e.shutdown()
-
-    fast = logprobs(fast_single_stream=True)
-    assert fast == logprobs(dq_group_size=0)
-    if fast == logprobs():
-        # Seen on AVX-512 VNNI hosts: the CPU plugin leaves one-token steps unquantized by itself, so the
-        # copy cannot be told apart here (and --fast-single-stream gains nothing on such a host).
-        pytest.skip("this CPU's plugin does not quantize activations of one-token steps")
 
 
 def test_a_u8_cache_keeps_a_tokens_key_whatever_is_written_after_it_in_its_block(tiny_qwen3_fp16_ir):
@@ -375,26 +293,15 @@ def test_int4_weights_are_served_as_the_stateful_ir_runs_them(tiny_qwen3_int4_ir
         engine.shutdown()
 
 
-@rows_alike_in_every_step
-@pytest.mark.parametrize("pieces", [None, 0])
-def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir, pieces):
-    """int8 weights, a u8 cache and auto precision, as served: a prompt computed alone and beside 6 or 14
-    decoding requests gets the same first-token log-probabilities to the bit, because its pieces end at
-    the same multiples of prompt_chunk_tokens (default: half the budget) whatever room the others leave,
-    and its last piece of 22 tokens runs on the f32 copy however many rows share its step (beside 14, the
-    step's 36 tokens went to the bf16 copy). Cut wherever the budget ends (0), the keys at the cut are
-    computed in another piece and the log-probabilities move (showing the test can tell)."""
-    config = EngineConfig(
-        kv_cache_gb=0.02,
-        max_num_batched_tokens=128,
-        max_num_seqs=16,
-        prompt_chunk_tokens=pieces,
-        enable_prefix_caching=False,  # the prompt is computed twice
-    )
+def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir):
+    """int8 weights and a u8 cache, as served: a prompt computed alone and beside 6 or 14 decoding requests
+    gets the same first-token log-probabilities to the bit, though the others leave it another room in each
+    step and so cut it elsewhere."""
+    config = EngineConfig(kv_cache_gb=0.02, max_num_seqs=16, enable_prefix_caching=False)  # computed twice
     engine = Engine(tiny_qwen3_ir, config)
     engine.start()
     try:
-        prompt = [random.Random(21).randrange(100, 150_000) for _ in range(150)]  # pieces of 64, 64 and 22
+        prompt = [random.Random(21).randrange(100, 150_000) for _ in range(150)]
         first = SamplingParams(max_new_tokens=1, logprobs=5)
         others = [p[:20] for p in prompts(14, seed=22)]
 
@@ -409,20 +316,16 @@ def test_a_prompts_logprobs_do_not_depend_on_what_shares_its_steps(tiny_qwen3_ir
             return result
 
         alone = run(_all_logprobs(engine, prompt, first))
-        for n in (6, 14):
-            busy = run(beside_decoders(n))
-            assert len(alone) == len(busy) == 1
-            assert (alone == busy) == (pieces is None), (n, alone, busy)
+        busy = {n: run(beside_decoders(n)) for n in (6, 14)}
+        assert len(alone) == len(busy[6]) == len(busy[14]) == 1
+        assert alone == busy[6] == busy[14]
     finally:
         engine.shutdown()
 
 
-@rows_alike_in_every_step
 def test_a_request_decoding_alone_gets_the_logprobs_it_gets_beside_another(tiny_qwen3_ir):
-    """int8 weights, a u8 cache and auto precision, as served: a request's log-probabilities are the same to the
-    bit whether it decodes alone or beside another request. The plugin computes a lone one-token row's attention
-    another way (per-block partials) unless the runner adds its empty sequence, and the quantization of
-    activations can carry that last-bit difference to a near tie."""
+    """int8 weights and a u8 cache, as served: a request's log-probabilities are the same to the bit whether it
+    decodes alone or beside another request (the runner never lets a row be computed alone)."""
     config = EngineConfig(kv_cache_gb=0.02, enable_prefix_caching=False)
     engine = Engine(tiny_qwen3_ir, config)
     engine.start()
@@ -440,13 +343,10 @@ def test_a_request_decoding_alone_gets_the_logprobs_it_gets_beside_another(tiny_
         engine.shutdown()
 
 
-@rows_alike_in_every_step
 def test_decoding_logprobs_do_not_depend_on_prompts_sharing_their_steps(tiny_qwen3_ir):
-    """int8 weights, a u8 cache and auto precision, as served: two requests decoding alone and while prompts of
-    100 tokens arrive get the same log-probabilities at every position, to the bit. Where there is a bf16 copy,
-    the prompts' pieces (64 and 36 tokens) run on it and the decoding rows stay on the f32 copy; in one bf16
-    step with the pieces, the rows were computed otherwise, and greedy and seeded replies depended on load."""
-    config = EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=128, max_num_seqs=16, enable_prefix_caching=False)
+    """int8 weights and a u8 cache, as served: two requests decoding alone and while prompts of 100 tokens
+    arrive get the same log-probabilities at every position, to the bit."""
+    config = EngineConfig(kv_cache_gb=0.02, max_num_seqs=16, enable_prefix_caching=False)
     engine = Engine(tiny_qwen3_ir, config)
     engine.start()
     try:

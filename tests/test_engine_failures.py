@@ -183,8 +183,8 @@ def test_a_request_the_scheduler_cannot_take_fails_alone(engine, monkeypatch):
 
 
 def test_an_engine_refuses_a_config_out_of_range_before_loading(tmp_path):
-    with pytest.raises(ValueError, match="prompt_chunk_tokens must be between 0"):
-        Engine(tmp_path / "no-model", EngineConfig(prompt_chunk_tokens=-1))
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        Engine(tmp_path / "no-model", EngineConfig(max_num_seqs=0))
 
 
 def test_an_engine_whose_logits_are_not_finite_refuses_to_start(smollm2_ir):

@@ -13,10 +13,9 @@ from service.core.scheduler import Scheduler
 BS = 4
 
 
-def make(num_blocks=64, max_num_seqs=4, budget=16, max_model_len=256, prefix=True, piece=0):
-    """piece: prompt_chunk_tokens, 0 (pieces as large as the budget allows) unless a test is about it."""
+def make(num_blocks=64, max_num_seqs=4, budget=16, max_model_len=256, prefix=True):
     kv = KVCacheManager(num_blocks, BS, prefix)
-    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, prompt_chunk_tokens=piece)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     return Scheduler(config, kv, max_model_len)
 
 
@@ -44,9 +43,9 @@ def test_chunked_prefill_splits_long_prompt_and_completes():
     assert step(s).chunks[0].num_tokens == 1  # decode
 
 
-def prompt_cuts(piece: int, decoding: int) -> list[int]:
+def prompt_cuts(decoding: int) -> list[int]:
     """Where a 30-token prompt's pieces end, computed beside `decoding` requests that decode in every step."""
-    s = make(budget=16, max_num_seqs=8, piece=piece)
+    s = make(budget=16, max_num_seqs=8)
     for i in range(decoding):
         s.add(request(f"o{i}", 1, start=1000 * (i + 1), max_new_tokens=50))
     step(s)
@@ -59,42 +58,15 @@ def prompt_cuts(piece: int, decoding: int) -> list[int]:
     return ends
 
 
-def test_prompts_are_cut_at_the_same_places_however_busy_the_step():
-    assert prompt_cuts(8, decoding=0) == prompt_cuts(8, decoding=3) == [8, 16, 24, 30]
-    assert prompt_cuts(0, decoding=0) == [16, 30]  # wherever the budget ends
-    assert prompt_cuts(0, decoding=3) == [13, 26, 30]
-
-
-def test_a_piece_cut_short_by_the_budget_ends_at_the_next_multiple():
-    # 10 tokens of room: the first piece is cut short, the next ends on a multiple of 12 again
-    assert prompt_cuts(12, decoding=6) == [10, 12, 22, 24, 30]
-
-
-def test_a_second_prompt_piece_waits_rather_than_being_cut_short():
-    """Two prompts arriving together beside 3 decoding requests: 3 + 8 tokens leave 5 of the budget's 16, and
-    the second prompt's piece of 8 waits for the next step instead of ending at 5. Every cut falls on a
-    multiple of 8, as it would alone."""
-    s = make(budget=16, max_num_seqs=8, piece=8)
-    for i in range(3):
-        s.add(request(f"o{i}", 1, start=1000 * (i + 1), max_new_tokens=50))
-    step(s)
-    first, second = request("p", 20, start=100), request("q", 20, start=200)
-    s.add(first)
-    s.add(second)
-    cuts: dict[str, list[int]] = {"p": [], "q": []}
-    while first.num_output_tokens == 0 or second.num_output_tokens == 0:
-        plan = step(s)
-        assert sum(c.num_tokens - len(c.drafts) > 1 for c in plan.chunks) <= 2
-        for c in plan.chunks:
-            if c.request in (first, second) and c.start < 20:
-                cuts[c.request.label].append(c.start + c.num_tokens)
-    assert cuts == {"p": [8, 16, 20], "q": [8, 16, 20]}
+def test_prompts_are_cut_where_the_budget_ends():
+    assert prompt_cuts(decoding=0) == [16, 30]
+    assert prompt_cuts(decoding=3) == [13, 26, 30]  # decoding tokens first
 
 
 def test_a_prompt_computed_in_pieces_keeps_the_blocks_it_still_needs():
     # with room left beside a piece, a waiting request was admitted into the blocks the prompt had yet to
     # fill, and the prompt's next pieces preempted it (its prefill thrown away)
-    s = make(num_blocks=12, budget=16, piece=8)
+    s = make(num_blocks=12, budget=16)
     long, short = request("long", 40, max_new_tokens=4), request("short", 12, start=500, max_new_tokens=12)
     s.add(long)
     step(s)
@@ -102,16 +74,6 @@ def test_a_prompt_computed_in_pieces_keeps_the_blocks_it_still_needs():
     while s.has_work():
         step(s)
     assert s.num_preemptions == 0 and long.num_output_tokens == 4 and short.num_output_tokens == 12
-
-
-def test_prompt_pieces_default_to_half_the_budget():
-    assert EngineConfig(max_num_batched_tokens=512).prompt_piece_tokens == 256
-    assert EngineConfig(max_num_batched_tokens=1).prompt_piece_tokens == 1
-    assert EngineConfig(prompt_chunk_tokens=0).prompt_piece_tokens == 0
-    for wrong in (-1, 513):
-        (problem,) = EngineConfig(prompt_chunk_tokens=wrong, max_num_batched_tokens=512).problems()
-        assert problem.startswith("prompt_chunk_tokens must be between 0") and "max_num_batched_tokens" in problem
-    assert not EngineConfig(prompt_chunk_tokens=512, max_num_batched_tokens=512).problems()
 
 
 def test_prefill_chunks_mix_with_decode_tokens():
@@ -270,9 +232,7 @@ class FakeDisk:
 
 def with_disk(disk: FakeDisk, num_blocks: int = 64, max_num_seqs: int = 4) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, True)
-    return Scheduler(
-        EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16, prompt_chunk_tokens=0), kv, 256, disk=disk
-    )
+    return Scheduler(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16), kv, 256, disk=disk)
 
 
 def digests_of(s: Scheduler, r: Request) -> list[bytes]:

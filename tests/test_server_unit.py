@@ -367,7 +367,7 @@ def test_config_defaults_env_and_flags():
         "OVSERVE_ENABLE_PREFIX_CACHING": "false",
         "OVSERVE_LOG_FORMAT": "json",
         "OVSERVE_DQ_GROUP_SIZE": "64",
-        "OVSERVE_FAST_SINGLE_STREAM": "1",
+        "OVSERVE_DETERMINISTIC": "0",
     }
     config = parse_args(["--max-num-seqs", "8", "--port", "7000"], env=env)
     engine = config.engine
@@ -375,7 +375,8 @@ def test_config_defaults_env_and_flags():
     assert (engine.max_num_seqs, engine.enable_prefix_caching, config.log_format) == (8, False, "json")
     assert parse_args(["--enable-prefix-caching"], env=env).engine.enable_prefix_caching
     assert engine.dq_group_size == 64
-    assert engine.fast_single_stream and not ServerConfig(model="m").engine.fast_single_stream
+    assert not engine.deterministic and ServerConfig(model="m").engine.deterministic
+    assert parse_args(["--no-deterministic"], env={"OVSERVE_MODEL": "m"}).engine.deterministic is False
 
 
 @pytest.mark.parametrize(
@@ -569,7 +570,7 @@ def test_tokens_that_arrive_together_share_the_inter_token_gap():
 
 
 def test_inference_precision_flag():
-    assert parse_args(["--model", "m"], env={}).engine.inference_precision == "auto"
+    assert parse_args(["--model", "m"], env={}).engine.inference_precision == "f32"
     assert parse_args(["--model", "m", "--inference-precision", "f32"], env={}).engine.inference_precision == "f32"
     env = {"OVSERVE_INFERENCE_PRECISION": "bf16"}
     assert parse_args(["--model", "m"], env=env).engine.inference_precision == "bf16"

@@ -450,15 +450,14 @@ def test_a_short_guess_is_padded_to_the_number_of_drafts_its_step_keeps():
 
 
 def test_drafts_leave_room_for_the_prompt_pieces_after_them():
-    """Other requests' drafts never decide where a prompt is cut: with a budget of 32, pieces of 24 and two
-    requests decoding with up to 5 drafts each, a prompt arriving is cut at 24 and 40 as without speculation
-    (drafts took the room and cut it at 20 first)."""
+    """Other requests' drafts never take a prompt's room: with a budget of 32 and two requests decoding with up
+    to 5 drafts each, a prompt arriving is cut at 30 and 40 as without speculation (drafts took the room and
+    cut it at 20 first)."""
 
     def cuts(speculation: str) -> list[int]:
         config = EngineConfig(
             max_num_seqs=8,
             max_num_batched_tokens=32,
-            prompt_chunk_tokens=24,
             speculation=speculation,
             speculative_tokens=5,
             speculative_max_seqs=4,
@@ -479,7 +478,7 @@ def test_drafts_leave_room_for_the_prompt_pieces_after_them():
             ends += [c.start + c.num_tokens for c in plan.chunks if c.request is prompt]
         return ends if speculation == "off" or drafted else []
 
-    assert cuts("off") == cuts("auto") == [24, 40]
+    assert cuts("off") == cuts("auto") == [30, 40]
 
 
 def test_drafts_never_preempt_and_leave_others_their_block():
@@ -501,9 +500,7 @@ def test_drafts_never_preempt_and_leave_others_their_block():
 
 
 def test_drafts_leave_a_prompt_computed_in_pieces_the_blocks_for_its_next_piece():
-    config = EngineConfig(
-        max_num_seqs=8, max_num_batched_tokens=64, prompt_chunk_tokens=8, speculation="auto", speculative_tokens=3
-    )
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=13, speculation="auto", speculative_tokens=3)
     s = Scheduler(config, KVCacheManager(6, BS), 24, step_times=StepTimes(1000.0))
     s.speculative_tokens = 0  # set the scene without drafts
     a = Request(next(IDS), [1, 2, 1, 2, 1, 2], SamplingParams())
@@ -512,13 +509,13 @@ def test_drafts_leave_a_prompt_computed_in_pieces_the_blocks_for_its_next_piece(
     b = Request(next(IDS), list(range(50, 66)), SamplingParams())
     s.add(b)
     s.update(s.schedule(), [[1]])
-    # a decodes in 2 blocks; b computed the first 8 of its 16 prompt tokens in 2 blocks and needs 2 more for
-    # the next 8; 2 blocks are free
-    assert (a.num_computed_tokens, b.num_computed_tokens, s.kv.pool.num_free) == (7, 8, 2)
+    # a decodes in 2 blocks; b computed the first 12 of its 16 prompt tokens in 3 blocks and needs 1 more for
+    # the last 4 and 1 more for its first token: 1 block is free, the budget leaves room for drafts
+    assert (a.num_computed_tokens, b.num_computed_tokens, s.kv.pool.num_free) == (7, 12, 1)
     s.speculative_tokens = 3
     plan = s.schedule()
     assert not plan.preempted and s.num_preemptions == 0
-    assert [(c.request, c.num_tokens, c.drafts) for c in plan.chunks] == [(a, 1, ()), (b, 8, ())]
+    assert [(c.request, c.num_tokens, c.drafts) for c in plan.chunks] == [(a, 1, ()), (b, 4, ())]
 
 
 # -- the per-request switch ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Speculative decoding on a real model: greedy output with speculation equals greedy output without it (drafts
-as rows or as one sequence, through preemption, on int8 weights, with penalties, logprobs and stop strings), and
-the warm-up's step table. Engines of one configuration are shared by the module (shared_engine). The rules
+"""Speculative decoding on a real model: greedy output with speculation equals greedy output without it
+(deterministic steps and fast ones, through preemption, on int8 weights, with penalties, logprobs and stop
+strings), and the warm-up's step table. Engines of one configuration are shared by the module (shared_engine). The rules
 without a model are in test_spec_rules.py."""
 
 import asyncio
@@ -10,24 +10,19 @@ import random
 
 import httpx
 import numpy as np
-import openvino as ov
 import pytest
 
 from service.client import Client
 from service.core.config import EngineConfig
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
-from service.core.request import Request
-from service.core.scheduler import ScheduledChunk
 from service.core.spec import DraftPolicy, Guess, PromptLookup
 from service.core.stats import EngineStats
 from service.engine import Engine, GenerationRequest
-from service.engine.inputs import step_inputs
-from service.engine.runner import ModelRunner, StepInput
-from tests.support.cpu import rows_alike_in_every_step
+from service.engine.runner import ModelRunner, StepInput, as_rows
 from tests.support.servers import TIMEOUT, Running, base_config, free_port
 
-SERVED = {"kv_cache_precision": "u8", "inference_precision": "auto"}  # int8 weights as served
+SERVED = {"kv_cache_precision": "u8"}  # int8 weights as served
 
 # -- on a real model -------------------------------------------------------------------------------------
 _ENGINES: dict[tuple[str, EngineConfig], Engine] = {}
@@ -129,14 +124,13 @@ def every_draft(monkeypatch):
     monkeypatch.setattr(DraftPolicy, "choose", lambda self, candidates, step: [limit for _, limit in candidates])
 
 
-@pytest.mark.parametrize("verify_drafts", ["auto", "sequence"], ids=["rows", "sequence"])
-def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, verify_drafts, every_draft):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
+def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, deterministic, every_draft):
     """Uncompressed weights and an f16 cache: a k+1-token verify step must reproduce one-token decoding, its
-    drafts fed as one-token rows (auto's choice where one compiled copy runs every step) or as one sequence
-    (beside auto's bf16 copy, or asked for)."""
+    drafts fed as one-token rows (deterministic steps) or as one sequence (fast ones)."""
     prompts = [TEXT, TEXT[10:] + TEXT[:10], [5, 6, 7] * 12]
-    plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40)
-    spec = SPEC | {"verify_drafts": verify_drafts}
+    plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40, deterministic=deterministic)
+    spec = SPEC | {"deterministic": deterministic}
     fast, stats = outputs(tiny_qwen3_fp16_ir, prompts, 40, proposer=Oracle(prompts, plain), **spec)
     assert fast == plain
     looked_up, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40, **spec)  # prompt lookup's drafts, mostly rejected
@@ -146,15 +140,15 @@ def test_speculation_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, verify_
     assert 0 < stats.num_verify_steps <= stats.num_generated_tokens - stats.num_accepted_tokens
 
 
-@pytest.mark.parametrize("verify_drafts", ["rows", "sequence"])
-def test_speculation_through_preemption_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, verify_drafts, every_draft):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
+def test_speculation_through_preemption_gives_exactly_the_greedy_tokens(tiny_qwen3_fp16_ir, deterministic, every_draft):
     """Four requests of 100 tokens (prompt and reply) in a cache of 6 blocks of 32 tokens: requests are preempted
     while they speculate and recomputed later, and still reply what plain decoding with room for all does."""
     prompts = [[1000 + (i * (7 + j)) % 50 for i in range(60)] for j in range(4)]
-    plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40)
+    plain, _ = outputs(tiny_qwen3_fp16_ir, prompts, 40, deterministic=deterministic)
     sizing = shared_engine(tiny_qwen3_fp16_ir)
-    block_bytes = sizing.info.kv_cache_bytes / sizing.info.num_kv_blocks
-    spec = SPEC | {"verify_drafts": verify_drafts}
+    block_bytes = sizing.info.kv_cache_bytes / (sizing.info.num_kv_blocks + 1)  # and the runner's padding block
+    spec = SPEC | {"deterministic": deterministic}
     fast, stats = outputs(
         tiny_qwen3_fp16_ir, prompts, 40, proposer=Oracle(prompts, plain), kv_cache_gb=6 * block_bytes / 2**30, **spec
     )
@@ -162,71 +156,43 @@ def test_speculation_through_preemption_gives_exactly_the_greedy_tokens(tiny_qwe
     assert fast == plain
 
 
-def test_drafts_are_fed_as_rows_where_decoding_rows_run_in_f32_unless_asked_otherwise(tiny_qwen3_ir):
-    """verify_drafts: auto takes one-token rows where they make speculation exact (decoding rows in f32), and
-    either form can be asked for (sequence: faster at long contexts, where rows read the context each). In
-    bf16 a row depends on its step's size, so auto takes one sequence there (on a CPU without bf16 the plugin
-    runs f32 for it: rows)."""
-    for precision, verify_drafts, rows in (
-        ("auto", "auto", True),  # f32 rows; long prompt pieces apart on the bf16 copy where there is one
-        ("f32", "auto", True),
-        ("f32", "rows", True),
-        ("f32", "sequence", False),
-        ("bf16", "auto", None),
-    ):
-        config = EngineConfig(kv_cache_gb=0.02, inference_precision=precision, verify_drafts=verify_drafts)
-        engine = Engine(tiny_qwen3_ir, config)
-        try:
-            if rows is None:
-                rows = engine.core.runner.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
-            assert engine.core.draft_rows(2) is rows
-        finally:
-            engine.shutdown()
-    # with --fast-single-stream a lone request's plain steps run on another copy: rows would make it no more exact
-    engine = Engine(tiny_qwen3_ir, EngineConfig(kv_cache_gb=0.02, inference_precision="f32", fast_single_stream=True))
-    try:
-        assert not engine.core.draft_rows(1)
-        assert engine.core.draft_rows(2)
-    finally:
-        engine.shutdown()
-    assert EngineConfig(verify_drafts="sideways").problems() == ["verify_drafts must be one of auto, rows, sequence"]
+@pytest.fixture(scope="module")
+def runner(tiny_qwen3_ir):
+    """int8 weights, a u8 cache, f32 activations, deterministic steps: each test writes its own blocks from 0."""
+    return ModelRunner(tiny_qwen3_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02))
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_qwen3_ir):
-    """int8 weights, a u8 cache, f32 activations: each test writes its own blocks from position 0."""
-    return ModelRunner(tiny_qwen3_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02, inference_precision="f32"))
+def fast_runner(tiny_qwen3_ir):
+    """The same with fast steps (--no-deterministic): sequences go to the model as they come."""
+    return ModelRunner(tiny_qwen3_ir / "openvino_model.xml", EngineConfig(kv_cache_gb=0.02, deterministic=False))
 
 
-def test_draft_rows_are_computed_as_decode_steps_compute_them(runner):
-    """int8 weights and a u8 cache: a verify step's rows are the rows one-token decode steps give, bit for
-    bit, when the drafts run as one-token sequences on the request's block table (step_inputs, where all
-    steps run on one copy). Fed as one many-token sequence they are not (the check that the test can tell)."""
+def test_draft_rows_are_computed_as_decode_steps_compute_them(runner, fast_runner):
+    """int8 weights and a u8 cache: a verify step's rows are the rows one-token decode steps give, bit for bit,
+    since deterministic steps feed every token as a one-token sequence on the request's block table. Fed as one
+    many-token sequence (fast steps) they are not (the check that the test can tell)."""
     rng = np.random.default_rng(1)
     prompt, other = rng.integers(10, 1000, 30).tolist(), rng.integers(10, 1000, 20).tolist()
     table, other_table = [0, 1], [2]
-    runner.execute([StepInput(prompt, 0, table, 1), StepInput(other, 0, other_table, 1)])
     fed = rng.integers(10, 1000, 6).tolist()  # the request's last token and five drafts
     beside = StepInput([other[-1]], 20, other_table, 1)  # decode steps of two sequences, as in a batch
-    decoded = np.stack(
-        [runner.execute([StepInput([t], 30 + i, table, 1), beside])[0].copy() for i, t in enumerate(fed)]
-    )
-    request = Request(1, prompt, SamplingParams())
-    chunk = ScheduledChunk(request, 30, 6, table, sample=True, drafts=tuple(fed[1:]))
-    request.append_token(fed[0])
-    rows = step_inputs(chunk, draft_rows=True)
-    assert [r.token_ids for r in rows] == [[t] for t in fed]
-    np.testing.assert_array_equal(runner.execute([*rows, beside])[:6], decoded)
-    one_sequence = runner.execute([StepInput(fed, 30, table, 6), beside])[:6]
-    assert not np.array_equal(one_sequence, decoded)
+    results = []
+    for r in (runner, fast_runner):
+        r.execute([StepInput(prompt, 0, table, 1), StepInput(other, 0, other_table, 1)])
+        decoded = np.stack([r.execute([StepInput([t], 30 + i, table, 1), beside])[0].copy() for i, t in enumerate(fed)])
+        results.append((decoded, r.execute([StepInput(fed, 30, table, 6), beside])[:6].copy()))
+    (decoded, verified), (fast_decoded, fast_verified) = results
+    np.testing.assert_array_equal(verified, decoded)
+    assert not np.array_equal(fast_verified, fast_decoded)
+    assert [r.token_ids for r in as_rows([StepInput(fed, 30, table, 6)])] == [[t] for t in fed]
 
 
-@rows_alike_in_every_step
 def test_a_lone_decoding_row_is_computed_as_beside_other_sequences(runner):
     """int8 weights and a u8 cache: a request decoding alone gets the very logits its row gets beside another
-    sequence. Without the runner's empty sequence the plugin sums a lone row's attention in per-block partials,
-    which moved these logits by about 1e-5 (the dynamic quantization of activations can amplify that at a
-    near tie, to 0.6 on SmolLM2)."""
+    sequence. The CPU plugin's matmuls compute a step of one row otherwise (on AVX2 SmolLM2's logits moved by
+    0.01), and its attention sums fewer one-token rows than threads in per-block partials: the runner pads a
+    lone row with a row of its own and adds an empty sequence."""
     rng = np.random.default_rng(2)
     prompt, other = rng.integers(10, 1000, 90).tolist(), rng.integers(10, 1000, 20).tolist()
     table, other_table = [0, 1, 2], [3]
@@ -237,12 +203,11 @@ def test_a_lone_decoding_row_is_computed_as_beside_other_sequences(runner):
         np.testing.assert_array_equal(alone[0], beside[0])
 
 
-@rows_alike_in_every_step
 def test_speculation_on_int8_weights_alone_gives_the_greedy_tokens_and_logprobs_of_plain_decoding(
     tiny_qwen3_ir, every_draft
 ):
-    """int8 weights, a u8 cache and auto precision, as served: a request decoding alone gets with drafts the tokens
-    and log-probabilities it gets without (its drafts go as rows, computed as its decode steps compute them)."""
+    """int8 weights and a u8 cache, as served: a request decoding alone gets with drafts the tokens and
+    log-probabilities it gets without (its drafts go as rows, computed as its decode steps compute them)."""
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=1)]
     plain, _ = outputs(tiny_qwen3_ir, [TEXT[:30]], 0, params, **SERVED)
     fast, stats = outputs(tiny_qwen3_ir, [TEXT[:30]], 0, params, Oracle([TEXT[:30]], plain), **SERVED, **SPEC)
@@ -264,11 +229,10 @@ def test_speculation_on_int8_weights_gives_the_greedy_tokens_and_logprobs_of_a_b
     assert fast == plain
 
 
-def test_speculation_at_auto_precision_gives_plain_decodings_logprobs_while_prompts_arrive(tiny_qwen3_ir, every_draft):
-    """int8 weights, a u8 cache and auto precision, as served: two requests decoding with drafts get the tokens
-    and the very log-probabilities they get without, while prompts of 100 tokens arrive. Their pieces run on the
-    bf16 copy apart from the decoding rows (where the CPU has one), and the drafts are fed as one-token rows."""
-    config = EngineConfig(kv_cache_gb=0.02, max_num_batched_tokens=128, max_num_seqs=16, enable_prefix_caching=False)
+def test_speculation_as_served_gives_plain_decodings_logprobs_while_prompts_arrive(tiny_qwen3_ir, every_draft):
+    """int8 weights and a u8 cache at default settings, as served: two requests decoding with drafts get the
+    tokens and the very log-probabilities they get without, while prompts of 100 tokens arrive."""
+    config = EngineConfig(kv_cache_gb=0.02, max_num_seqs=16, enable_prefix_caching=False)
     decoders = [TEXT[:40], TEXT[20:]]
     params = SamplingParams(max_new_tokens=80, ignore_eos=True, logprobs=1)
     arriving = [[random.Random(51 + i).randrange(100, 150_000) for _ in range(100)] for i in range(4)]
@@ -304,35 +268,6 @@ def test_speculation_at_auto_precision_gives_plain_decodings_logprobs_while_prom
     fast, stats = replies(spec, Oracle(decoders, [[t for t, _ in r] for r in plain]))
     assert stats.num_accepted_tokens > 0, stats
     assert fast == plain
-
-
-def test_drafts_go_as_rows_alone_too(tiny_qwen3_ir, every_draft, monkeypatch):
-    """auto: drafts go as one-token rows beside another request and alone (the runner gives a lone row the path
-    of rows beside others, so rows make a lone request's drafts exact too)."""
-    steps = []  # steps with drafts: (requests sampled in the step, whether every drafting one went as rows)
-    runner = shared_engine(tiny_qwen3_ir, **SERVED, **SPEC).core.runner
-    real_step = runner.step
-
-    def step(seqs):
-        sampled: dict[tuple[int, ...], list] = {}  # a request's sequences share its block table
-        for s in seqs:
-            if s.num_logits > 0:
-                sampled.setdefault(tuple(s.block_ids), []).append(s)
-        # a request that verifies drafts wants more than one row; another request's prompt piece may share the
-        # step (it arrived a step later), and is no draft
-        drafting = [group for group in sampled.values() if sum(s.num_logits for s in group) > 1]
-        if drafting:
-            steps.append((len(sampled), all(len(s.token_ids) == 1 for group in drafting for s in group)))
-        return real_step(seqs)
-
-    monkeypatch.setattr(runner, "step", step)
-    prompts = [TEXT[:20], TEXT[20:40]]
-    for n in (1, 2):
-        plain, _ = outputs(tiny_qwen3_ir, prompts[:n], 30, **SERVED)
-        steps.clear()
-        outputs(tiny_qwen3_ir, prompts[:n], 30, proposer=Oracle(prompts[:n], plain), **SERVED, **SPEC)
-        assert any(requests == n for requests, _ in steps), steps
-        assert all(rows for _, rows in steps), steps
 
 
 def test_greedy_with_penalties_logprobs_and_min_new_tokens_is_exact_too(tiny_qwen3_fp16_ir, every_draft):
@@ -403,8 +338,8 @@ def test_a_stop_string_inside_a_kept_run_ends_the_reply_where_plain_decoding_end
 
 def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir, every_draft):
     """Speculation on: the same seeded request alone and beside others (which changes its steps' shapes and
-    what shares them) gives one reply; and since verification draws once per emitted token, the reply is
-    the one plain decoding gives."""
+    what shares them) gives one reply, log-probabilities included; and since verification draws once per
+    emitted token, the reply is the one plain decoding gives."""
     seeded = SamplingParams(
         max_new_tokens=40, temperature=0.1, presence_penalty=0.2, seed=77, ignore_eos=True, logprobs=2
     )
@@ -415,9 +350,7 @@ def test_a_seeded_sampled_reply_does_not_depend_on_its_batch(tiny_qwen3_fp16_ir,
     (alone,), stats = outputs(tiny_qwen3_fp16_ir, [TEXT], 0, [seeded], **spec)
     crowded, _ = outputs(tiny_qwen3_fp16_ir, [*others, TEXT], 0, [*crowd, seeded], **spec)
     assert stats.num_accepted_tokens > 0, stats  # some drafts were kept: the sampled path ran
-    for reply in (crowded[-1], plain):  # logprobs agree to rounding: the step shapes differ
-        assert [t[:2] for t in reply] == [t[:2] for t in alone]
-        assert [t[2] for t in reply] == pytest.approx([t[2] for t in alone], abs=1e-3)
+    assert crowded[-1] == alone == plain  # log-probabilities too: deterministic steps
 
 
 def test_off_requests_on_a_real_server_verify_no_drafts(tiny_qwen3_fp16_ir, every_draft):

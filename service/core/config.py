@@ -12,8 +12,6 @@ from typing import Any
 
 from service.core.params import SPECULATION_MODES
 
-VERIFY_DRAFTS = ("auto", "rows", "sequence")
-
 
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A dataclass field carrying its command-line help (and allowed values) in its metadata."""
@@ -28,43 +26,32 @@ class EngineConfig:
     threads: int | None = setting(None, "inference threads (default: the CPUs this process may use)")
     kv_cache_gb: float = setting(1.0, "KV cache budget in GiB")
     kv_cache_precision: str = setting("u8", "KV cache element type", ("u8", "f16", "f32"))
+    deterministic: bool = setting(
+        True,
+        "reproducible replies: every token is computed as a one-token row, so a greedy or seeded reply does not "
+        "depend on what was cached, how its prompt was cut, what shares its steps, speculation or preemption "
+        '(docs/API.md, "Reproducible replies"). --no-deterministic feeds prompt pieces whole: faster prompts '
+        "(docs/BENCH.md), replies that move with load and cache state",
+    )
     inference_precision: str = setting(
-        "auto",
-        "precision of the model's activations. auto: f32, plus a bf16 copy of the model for prompt pieces of more "
-        "than 32 tokens on CPUs where the plugin's own default is bf16 (AVX512_BF16, AMX), at the cost of a second "
-        "copy of the weights in memory: there int8 models decoded 1.3-1.5x and verified drafts 1.6-2.1x faster in "
-        "f32, while bf16 ran long prompt chunks 1.35-1.75x faster. The other sequences of a step holding such a "
-        "piece run apart from it in f32, so a decoding row is computed one way whatever shares its step. f32 also "
-        "makes a many-token step compute what one-token steps do on an fp16 model",
-        ("auto", "f32", "bf16", "f16"),
+        "f32",
+        "precision of the model's activations. Replies are reproducible in f32 only: in bf16 the plugin's matmuls "
+        "round a row by how many rows share its step. On CPUs with AVX512_BF16 or AMX, bf16 ran long prompt "
+        "chunks 1.35-1.75x faster while int8 models decoded 1.3-1.5x faster in f32",
+        ("f32", "bf16", "f16"),
     )
     dq_group_size: int | None = setting(
         None,
         "activation channels per dynamic-quantization group in int8 matmuls (default: the CPU plugin's, 32; "
         "64 measured 5-10%% faster with slightly larger logit error; 0 turns it off)",
     )
-    fast_single_stream: bool = setting(
-        False,
-        "compile a second copy of the model, without dynamic quantization, for steps of one token (one "
-        "stream decoding): faster single-stream decode, a second copy of the weights in memory",
-    )
     max_num_seqs: int = setting(32, "requests generated together at most")
-    max_num_batched_tokens: int = setting(512, "tokens per engine step at most (prompt chunks and decode tokens)")
-    prompt_chunk_tokens: int | None = setting(
-        None,
-        "prompts are computed in pieces that end at multiples of this many tokens (at most "
-        "max_num_batched_tokens), so where a prompt is cut, and so its KV cache and greedy reply, depends less on "
-        "what else shares its steps (default: half of max_num_batched_tokens, leaving room for decode tokens; 0: "
-        "pieces as large as the budget allows)",
+    max_num_batched_tokens: int = setting(
+        80,
+        "tokens per engine step at most (prompt tokens, decode tokens and drafts). Deterministic replies need "
+        "every step computed by the same kernels: from 81 tokens a step the CPU plugin's matmuls switched to "
+        "others on the CPUs measured, and the warm-up warns when this budget's rows differ from a small step's",
     )
-
-    @property
-    def prompt_piece_tokens(self) -> int:
-        """prompt_chunk_tokens with its default applied (0: no fixed places)."""
-        if self.prompt_chunk_tokens is None:
-            return max(1, self.max_num_batched_tokens // 2)
-        return self.prompt_chunk_tokens
-
     max_model_len: int | None = setting(None, "context limit (default: the model's, capped by what the KV cache holds)")
     chat_template: str | None = setting(
         None,
@@ -102,17 +89,6 @@ class EngineConfig:
     speculative_max_seqs: int = setting(
         8, "speculate only while at most this many requests run: a larger batch already reads each weight for many"
     )
-    verify_drafts: str = setting(
-        "auto",
-        "how a request's drafts are fed to the model. rows (draft rows): as one-token sequences on its block table, "
-        "computed exactly as decode steps compute those positions (greedy replies equal plain decoding's where "
-        "decoding rows run in f32, int8 weights included), at 5-12%% more per verify step at 5 drafts and more at long "
-        "contexts (each row reads the whole context); sequence: as one many-token sequence, faster, rounding "
-        "differently at near ties on int8 weights; auto: rows where decoding rows run in f32 "
-        "(--inference-precision auto or f32), otherwise sequence (in bf16 a row depends on its step's size "
-        "anyway)",
-        VERIFY_DRAFTS,
-    )
     kernel_cache_shapes: int = setting(
         64,
         "step shapes whose prepared kernels the CPU plugin keeps (its runtime cache and oneDNN's primitive "
@@ -128,11 +104,6 @@ class EngineConfig:
             (self.dq_group_size is None or self.dq_group_size >= 0, "dq_group_size must be >= 0 (0 turns it off)"),
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
-            (
-                self.prompt_chunk_tokens is None or 0 <= self.prompt_chunk_tokens <= self.max_num_batched_tokens,
-                f"prompt_chunk_tokens must be between 0 (pieces as large as the budget allows) and "
-                f"max_num_batched_tokens, {self.max_num_batched_tokens} (a piece must fit in a step)",
-            ),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
@@ -146,6 +117,10 @@ class EngineConfig:
                 "kv_disk_dir needs prefix caching: it stores the prefix cache's blocks",
             ),
             (self.kernel_cache_shapes >= 1, "kernel_cache_shapes must be at least 1"),
+            (
+                self.inference_precision in ("f32", "bf16", "f16"),
+                "inference_precision must be one of f32, bf16, f16",
+            ),
             (self.speculation in SPECULATION_MODES, f"speculation must be one of {', '.join(SPECULATION_MODES)}"),
             (self.speculative_tokens >= 0, "speculative_tokens must be >= 0"),
             (self.prompt_lookup_min_ngram >= 1, "prompt_lookup_min_ngram must be at least 1"),
@@ -154,6 +129,5 @@ class EngineConfig:
                 "prompt_lookup_max_ngram must be at least prompt_lookup_min_ngram",
             ),
             (self.speculative_max_seqs >= 1, "speculative_max_seqs must be at least 1"),
-            (self.verify_drafts in VERIFY_DRAFTS, f"verify_drafts must be one of {', '.join(VERIFY_DRAFTS)}"),
         ]
         return [message for ok, message in checks if not ok]

@@ -2,9 +2,8 @@
 
 Every request has num_tokens (prompt + generated) and num_computed_tokens; each step shares the token
 budget out, running requests first, then waiting ones in arrival order. A prompt is computed in pieces
-that end at multiples of prompt_piece_tokens, side by side with other requests' decode tokens; only a
-step's first piece ends where the budget runs out, a second one that would waits for the next step, and
-drafts never take the room of the pieces planned after them. A waiting request is admitted only while
+as large as the budget leaves, side by side with other requests' decode tokens, and drafts never take
+the room of the pieces planned after them. A waiting request is admitted only while
 each running request keeps the blocks for the rest of its prompt and one more to grow into. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
 (mostly from the prefix cache).
@@ -96,11 +95,6 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
-    def holds_piece(self) -> bool:
-        """Whether a chunk of the step computes a piece of a prompt (more than one token besides drafts)."""
-        return any(c.num_tokens - len(c.drafts) > 1 for c in self.chunks)
-
-    @property
     def sampled(self) -> list[Request]:
         """The requests whose last planned token is sampled this step, in the order of their logits rows."""
         return [c.request for c in self.chunks if c.sample]
@@ -124,7 +118,6 @@ class Scheduler:
         self.policy = DraftPolicy(config.speculative_max_seqs, step_times)
         self.step_times = self.policy.times
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.prompt_piece_tokens = config.prompt_piece_tokens
         self.max_model_len = max_model_len
         self.kv = kv
         self.requests: dict[int, Request] = {}  # every request not finished, by id
@@ -256,7 +249,7 @@ class Scheduler:
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             pieces_after -= pieces.get(request.id, 0)
-            num_new = self._piece(request, request.num_computed_tokens, budget, whole=plan.holds_piece)
+            num_new = self._piece(request, request.num_computed_tokens, budget)
             if num_new == 0 or not self._allocate_or_preempt(request, num_new, plan):
                 continue
             room = budget - num_new - max(0, pieces_after)
@@ -274,20 +267,10 @@ class Scheduler:
             self._admit_waiting(budget, plan)
         return plan
 
-    def _piece(self, request: Request, start: int, budget: int, whole: bool = False) -> int:
-        """How many tokens from `start` a request computes this step: up to the next multiple of
-        prompt_piece_tokens, so a prompt is cut at the same places however busy the step is. Keys computed
-        in the same piece attend to each other before they are stored in the cache's precision, and the
-        attention takes another path for them, so where the cuts fall changes a reply's later tokens. With
-        whole (a step that already holds a prompt piece), a piece the budget would cut short is 0: it waits
-        for the next step rather than end where the step's room does. The first piece of a step is still
-        cut, so a prompt always moves on."""
-        num_new = request.num_tokens - start
-        if self.prompt_piece_tokens and num_new > 1:
-            num_new = min(num_new, self.prompt_piece_tokens - start % self.prompt_piece_tokens)
-            if whole and num_new > budget:
-                return 0
-        return min(num_new, budget)
+    @staticmethod
+    def _piece(request: Request, start: int, budget: int) -> int:
+        """How many tokens from `start` a request computes this step: the rest, as far as the budget allows."""
+        return min(request.num_tokens - start, budget)
 
     @staticmethod
     def _prefills(request: Request) -> bool:
@@ -328,9 +311,7 @@ class Scheduler:
             on_disk = self._on_disk(request, prefix.num_tokens)
             if on_disk is None:
                 continue  # another request is restoring its blocks: it waits for that load to end
-            num_new = 0 if on_disk else self._piece(request, prefix.num_tokens, budget, whole=plan.holds_piece)
-            if not on_disk and num_new == 0:
-                break  # its piece would be cut short: it waits for a step with room; first come, first served
+            num_new = 0 if on_disk else self._piece(request, prefix.num_tokens, budget)
             num_tokens = prefix.num_tokens + len(on_disk) * self.kv.block_size + num_new
             if not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
                 break  # wait for blocks to be freed; first come, first served
@@ -396,14 +377,10 @@ class Scheduler:
         """The step's tokens and sampled requests before any drafts: what the running requests will compute
         (waiting ones admitted after them are not known yet)."""
         tokens = sampled = sequences = 0
-        holds_piece = False
         for request in self.running:
             if tokens >= budget:
                 break
-            num_new = self._piece(request, request.num_computed_tokens, budget - tokens, whole=holds_piece)
-            if num_new == 0:
-                continue
-            holds_piece = holds_piece or num_new > 1
+            num_new = self._piece(request, request.num_computed_tokens, budget - tokens)
             tokens += num_new
             sequences += 1
             sampled += request.num_computed_tokens + num_new == request.num_tokens

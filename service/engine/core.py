@@ -32,11 +32,10 @@ from service.core.spec import StepTimes
 from service.core.stats import EngineStats, ModelInfo
 from service.engine import warmup
 from service.engine.disk_store import DiskStore
-from service.engine.inputs import step_inputs
 from service.engine.kv_tier import KVDiskTier, LoadResult
 from service.engine.model_files import ModelFiles
 from service.engine.outputs import Abort, Command, EngineOutput, Publish, error_of, output_of
-from service.engine.runner import ModelRunner
+from service.engine.runner import ModelRunner, StepInput
 from service.engine.sampling import sample_step
 from service.engine.stats import StageClock, StatsBook
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
@@ -74,12 +73,6 @@ class EngineCore:
             self.disk_tier = KVDiskTier(store, self.runner.cache_arrays(), self._commands.put)
         # the draft policy's table of step times, measured at warm-up
         self.step_times = StepTimes()
-        # draft rows make a verify row a decode row, bit for bit, where decode rows are computed one way: in f32
-        # (auto runs long prompt pieces apart on its bf16 copy). In bf16 a row depends on its step's size anyway,
-        # and one sequence is faster.
-        self._verify_as_rows = config.verify_drafts == "rows" or (
-            config.verify_drafts == "auto" and self.runner.rows_alike_in_every_step
-        )
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.disk_tier, step_times=self.step_times)
         self.info = ModelInfo(
             model_id=model.model_id,
@@ -118,9 +111,9 @@ class EngineCore:
         """Warm the model up (checking that it computes finite logits; with speculation on by default, measuring
         the draft policy's table), then start the engine thread. With speculation off by default, requests that
         opt in are judged by the table's prior line: no server start pays for the measurement."""
-        warmup.check_logits(self.runner, self.config)
+        warmup.check_rows(self.runner, self.config)
         if self.config.speculative_tokens > 0 and self.config.speculation == "auto":
-            warmup.measure_step_times(self.runner, self.config, self.draft_rows(1), self.step_times)
+            warmup.measure_step_times(self.runner, self.config, self.step_times)
         if self.disk_tier is not None:
             self.disk_tier.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -245,12 +238,6 @@ class EngineCore:
         self._publish(outputs)
         return not plan.empty
 
-    def draft_rows(self, sequences: int) -> bool:
-        """Whether a step of this many requests feeds drafts as draft rows (--verify-drafts), which a request
-        decoding alone does too unless its plain steps run on the single-token copy (--fast-single-stream):
-        there rows would be no more exact than one sequence, only slower."""
-        return self._verify_as_rows and (sequences > 1 or not self.runner.has_single_token_copy)
-
     def _save_filled_blocks(self) -> None:
         """Queue the blocks this step filled for the disk tier, before any later step can reuse them."""
         blocks = self.kv.take_newly_cached()
@@ -264,8 +251,7 @@ class EngineCore:
         # the result and is their only user otherwise.
         constrained = [c for c in sampled if c.request.matcher is not None]
         pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
-        rows_form = self.draft_rows(len(plan.chunks))
-        report = self.runner.step([row for c in plan.chunks for row in step_inputs(c, rows_form)])
+        report = self.runner.step([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         self.book.num_shape_changes += report.shape_changed
         clock.lap("execute")
         by_id = {}
@@ -343,13 +329,12 @@ class EngineCore:
 
 def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:
     """Everything that changes what a KV block holds: the model's content, the cache's format (runtime,
-    precision, block shape, the activations' precision) and the settings that change the numbers written
-    (dynamic quantization, the single-token copy). Thread counts are left out: they change only the order of sums."""
+    precision, block shape, the activations' precision, how steps feed tokens) and the settings that change the
+    numbers written (dynamic quantization). Thread counts are left out: they change only the order of sums."""
     parts = {
         "model": model.digest,
         "cache_format": cache_format,
         "kv_cache_precision": config.kv_cache_precision,
         "dq_group_size": config.dq_group_size,
-        "fast_single_stream": config.fast_single_stream,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).digest()

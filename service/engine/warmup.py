@@ -1,5 +1,6 @@
-"""The engine's warm-up, before it serves: a first step on each compiled copy (checking the logits are finite),
-and with speculation on by default, the draft policy's table of step times."""
+"""The engine's warm-up, before it serves: a first step (checking the logits are finite and, with deterministic
+steps, that a full step computes rows as a small one does), and with speculation on by default, the draft
+policy's table of step times."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import numpy as np
 
 from service.core.config import EngineConfig
 from service.core.spec import StepTimes
-from service.engine.inputs import verify_inputs
-from service.engine.runner import BF16_PIECE_TOKENS, ModelRunner, StepInput
+from service.engine.runner import ModelRunner, StepInput
 
 log = logging.getLogger(__name__)
 
@@ -21,33 +21,42 @@ LARGER_STEPS = (16, 24, 32, 48, 64)
 CONTEXT = 128
 
 
-def check_logits(runner: ModelRunner, config: EngineConfig) -> None:
-    """A first step on each compiled copy, from position 0 on the first blocks (no request has any yet): a prompt
-    of more than BF16_PIECE_TOKENS tokens (the bf16 copy, where there is one), 8 of its tokens (the main copy)
-    and one more token (the single-token copy, whose weights the CPU plugin packs on first use: not on a user's
-    first token). A model whose logits are not all finite cannot serve: f16 activations gave NaN for every
-    logit of SmolLM2 int8 on a CPU without native f16."""
-    length = min(BF16_PIECE_TOKENS + 1, runner.num_blocks * runner.block_size - 1)
+def check_rows(runner: ModelRunner, config: EngineConfig) -> None:
+    """A first step, from position 0 on the first blocks (no request has any yet): a prompt as long as a step's
+    budget, every logits row wanted. A model whose logits are not all finite cannot serve (f16 activations gave
+    NaN for every logit of SmolLM2 int8 on a CPU without native f16). With deterministic steps, its last two
+    positions are computed again in a step of two rows: where the CPU's kernels compute a full step's rows
+    otherwise than a small step's, a warning names the budget, since replies would then depend on load."""
+    length = max(2, min(config.max_num_batched_tokens, runner.num_blocks * runner.block_size - 1))
     prompt = [1 + i % min(1000, runner.vocab_size - 1) for i in range(length)]
-    blocks = list(range(-(-(length + 1) // runner.block_size)))
-    for tokens, start in ((prompt, 0), (prompt[:8], 0), (prompt[8:9], 8)):
-        logits = runner.execute([StepInput(tokens, start, blocks, 1)])
-        if not np.isfinite(logits).all():
-            raise ValueError(
-                f"the model's logits are not finite (NaN or inf) with activations in {runner.activation_precision} "
-                f"on this CPU: inference_precision {config.inference_precision!r} cannot serve this model here; use "
-                f"'auto' or 'f32'"
-            )
+    blocks = list(range(-(-length // runner.block_size)))
+    full = runner.execute([StepInput(prompt, 0, blocks, length)])[-2:].copy()
+    if not np.isfinite(full).all():
+        raise ValueError(
+            f"the model's logits are not finite (NaN or inf) with activations in {runner.activation_precision} "
+            f"on this CPU: inference_precision {config.inference_precision!r} cannot serve this model here; use 'f32'"
+        )
+    if not runner.deterministic:
+        return
+    small = runner.execute([StepInput(prompt[-2:], length - 2, blocks, 2)])
+    if not np.array_equal(full, small):
+        log.warning(
+            "a step of %d tokens computes rows otherwise than a step of 2 on this CPU (logits differ by up to %.3g): "
+            "replies may depend on load and cache state; lower --max-num-batched-tokens (80 held on the CPUs "
+            "measured) or use --inference-precision f32",
+            length,
+            float(np.abs(full - small).max()),
+        )
 
 
 def measure_step_times(
-    runner: ModelRunner, config: EngineConfig, draft_rows: bool, table: StepTimes, repeats: int = 3, passes: int = 2
+    runner: ModelRunner, config: EngineConfig, table: StepTimes, repeats: int = 3, passes: int = 2
 ) -> None:
     """Fill the draft policy's table: a lone request feeding its last token and 0 to K drafts, and a few larger
-    steps, every logits row wanted as drafts want them (as draft rows or one sequence, as the engine feeds a lone
-    request's drafts), at a context of CONTEXT tokens. Each size runs one unmeasured step (it prepares the kernels
-    of its new shape), then `repeats` measured ones, in `passes` passes over the sizes (up, then down); the
-    fastest step counts, since other work on the machine only ever adds time."""
+    steps, every logits row wanted as drafts want them, at a context of CONTEXT tokens. Each size runs one
+    unmeasured step (it prepares the kernels of its new shape), then `repeats` measured ones, in `passes` passes
+    over the sizes (up, then down); the fastest step counts, since other work on the machine only ever adds
+    time."""
     capacity = runner.num_blocks * runner.block_size
     sizes = sorted({*range(1, config.speculative_tokens + 2), *LARGER_STEPS})
     sizes = [n for n in sizes if n <= config.max_num_batched_tokens and n < capacity - 1]
@@ -58,7 +67,7 @@ def measure_step_times(
     fastest = dict.fromkeys(sizes, float("inf"))
     for p in range(passes):
         for n in sizes if p % 2 == 0 else sizes[::-1]:
-            inputs = verify_inputs([0] * n, context, blocks, draft_rows)
+            inputs = [StepInput([0] * n, context, blocks, n)]
             for i in range(repeats + 1):
                 start = time.perf_counter()
                 runner.execute(inputs)
@@ -71,7 +80,7 @@ def measure_step_times(
     excess = []
     for i in range(4 * repeats):
         n = large if i % 2 else small
-        inputs = verify_inputs([0] * n, context, blocks, draft_rows)
+        inputs = [StepInput([0] * n, context, blocks, n)]
         start = time.perf_counter()
         runner.execute(inputs)
         excess.append(time.perf_counter() - start - table.cost(n))

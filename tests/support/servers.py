@@ -61,13 +61,9 @@ class Running:
 
 
 def base_config(model: Path, **kw) -> ServerConfig:
-    """A server on a free port with a small KV cache; kw are fields of ServerConfig or EngineConfig.
-
-    Activations in f32, not the default auto: with auto, a prompt computed in one bf16 chunk and the same
-    prompt found in the prefix cache (its last tokens computed in f32) round near ties differently, and
-    tests here compare the replies of one request asked twice, over two protocols or unary and streamed."""
+    """A server on a free port with a small KV cache; kw are fields of ServerConfig or EngineConfig."""
     engine_fields = {f.name for f in fields(EngineConfig)}
-    defaults = {"kv_cache_gb": 0.05, "max_num_batched_tokens": 128, "inference_precision": "f32"}
+    defaults = {"kv_cache_gb": 0.05}
     engine = EngineConfig(**defaults | {k: v for k, v in kw.items() if k in engine_fields})
     # no drain delay: tests that drain see refusals at once (test_server's drain test covers the delay)
     server = {"port": 0, "metrics_port": 0, "http_port": 0, "drain_delay_seconds": 0.0}
