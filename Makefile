@@ -5,7 +5,7 @@ MODEL   ?= models/smollm2-135m-int8
 STAMP   := .venv/.installed
 QWEN4B  := models/qwen3-4b-synthetic-int8
 
-.PHONY: install system-packages proto model serve test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-pieces bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: install system-packages proto model serve test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
 install: $(STAMP)
 
@@ -104,11 +104,11 @@ bench-speculative-quick: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8,32 --rounds 3 --requests-per-stream 2 --max-new-tokens 128 \
 		--ours-only --out bench/results-speculative/quick.json
 
-# Prompts cut at fixed places (--prompt-chunk-tokens): greedy replies of engines of the same settings under load,
-# time to the first token alone, and the cost under Poisson arrivals and a burst.
-bench-pieces: $(STAMP) $(MODEL)/manifest.json
-	$(PY) -m bench.pieces $(MODEL) --out bench/results-pieces/pieces.json
-	$(PY) -m bench.tune $(MODEL) --knob prompt_chunk_tokens --out bench/results-pieces/tune-prompt-chunk-tokens.json
+# Deterministic steps (the default) against fast ones (--no-deterministic): identical greedy replies across cache
+# state, load and speculation, time to the first token of 2,000 tokens, throughput at 1, 8 and 32 streams.
+# For the Qwen3-4B shape: make bench-deterministic MODEL=models/qwen3-4b-synthetic-int8 (after make bench-4b).
+bench-deterministic: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.deterministic $(MODEL) --out bench/results-deterministic/$(notdir $(MODEL)).json
 
 bench-speculative-4b: $(STAMP)
 	@test -f $(QWEN4B)/manifest.json || { echo "run make bench-4b first: it builds $(QWEN4B)"; exit 1; }

@@ -4,7 +4,7 @@ llama.cpp runs through llama-cpp-python (`make bench-llamacpp` builds it from so
 for Linux). It runs the GGUF that SmolLM2 ships as (Q4_1, what a llama.cpp user would download) and the same
 weights requantized to Q8_0, the precision of our int8 IR, which was converted from that GGUF. Both get
 the same prompt token ids, 2 threads, greedy decoding without early stop, and no prompt reuse between
-requests. Runs alternate (ovserve, ovserve with --fast-single-stream, Q4_1, Q8_0, then the next round) so
+requests. Runs alternate (ovserve, ovserve with --no-deterministic, Q4_1, Q8_0, then the next round) so
 all see the same background load. llama-cpp-python's Llama holds one sequence at a time, so only one
 stream is compared: llama.cpp's continuous batching lives in its own HTTP server, which the Python package
 does not build.
@@ -25,7 +25,7 @@ from bench import run, sysinfo, workers
 THREADS = workers.peer_threads(workers.BUDGET)  # the bench's budget, for llama.cpp as for every peer
 OURS = {  # --ours choices: the name in the report and the engine settings
     "plain": ("ovserve int8", {}),
-    "fast": ("ovserve int8 --fast-single-stream", {"fast_single_stream": True}),
+    "fast": ("ovserve int8 --no-deterministic", {"deterministic": False}),
 }
 
 

@@ -9,16 +9,14 @@ median of those is the answer. Knobs:
 - dq_group_size: the CPU plugin's default dynamic-quantization group vs 64;
 - batch_window_ms: 0 (the default) vs 10 ms of waiting after an arrival to gather a burst into one step,
   measured under staggered (Poisson) arrivals, where it could matter, and under a burst;
-- max_num_batched_tokens: 512 (the default) vs 128 tokens per step, under Poisson arrivals: a smaller budget
+- max_num_batched_tokens: 80 (the default) vs 512 tokens per step, under Poisson arrivals: a smaller budget
   splits new prompts into more, shorter chunks, so the streams already decoding wait less between tokens
   (inter-token latency p99) at some cost in throughput and time to first token;
-- fast_single_stream: off (the default) vs a second compiled copy without dynamic quantization for
-  one-token steps (not in `make bench`, to keep it within its time budget);
+- deterministic: on (the default) vs fast steps (--no-deterministic, 512 tokens a step: prompt pieces whole),
+  under Poisson arrivals;
 - kernel_cache_shapes: the CPU plugin's own runtime-cache size (5000 step shapes) vs ours (64), under
   Poisson arrivals, whose varied prompt chunks make many shapes. oneDNN's primitive cache size is one per
   process, set by the first engine (A), so only the plugin's cache differs between the two.
-- prompt_chunk_tokens: prompts cut wherever the budget ends (as before) vs at multiples of half the budget
-  (the default, 256 tokens), under Poisson arrivals and a burst: the cost of cutting prompts at fixed places;
 - inference_precision: bf16 (the CPU plugin's own default on CPUs with AVX512_BF16 or AMX) vs ours (f32).
 """
 
@@ -45,11 +43,10 @@ KNOBS: dict[str, tuple[dict, dict]] = {
     "batch_window_ms": ({"batch_window_ms": workers.BUDGET.batch_window_ms}, {"batch_window_ms": 10.0}),
     "max_num_batched_tokens": (
         {"max_num_batched_tokens": workers.BUDGET.max_num_batched_tokens},
-        {"max_num_batched_tokens": 128},
+        {"max_num_batched_tokens": 512},
     ),
-    "fast_single_stream": ({}, {"fast_single_stream": True}),
+    "deterministic": ({}, {"deterministic": False, "max_num_batched_tokens": 512}),
     "kernel_cache_shapes": ({"kernel_cache_shapes": 5000}, {"kernel_cache_shapes": workers.BUDGET.kernel_cache_shapes}),
-    "prompt_chunk_tokens": ({"prompt_chunk_tokens": 0}, {}),
     "inference_precision": (
         {"inference_precision": "bf16"},
         {"inference_precision": workers.BUDGET.inference_precision},
@@ -59,7 +56,7 @@ ARRIVAL_KNOBS = (
     "batch_window_ms",
     "max_num_batched_tokens",
     "kernel_cache_shapes",
-    "prompt_chunk_tokens",
+    "deterministic",
 )  # measured under staggered arrivals
 
 

@@ -248,11 +248,6 @@ class EngineCollector:
                 "Engine steps whose input shape differed from the last step's (each prepares kernels anew)",
                 s.num_shape_changes,
             ),
-            (
-                "ovserve_padded_steps",
-                "Engine steps run padded to the last step's shape, to keep it (cheaper than a change of shape)",
-                s.num_padded_steps,
-            ),
             ("ovserve_prefix_cache_evictions", "Cached KV blocks reused for new content", s.num_cache_evictions),
             ("ovserve_spec_draft_tokens", "Draft tokens verified (speculative decoding)", s.num_draft_tokens),
             ("ovserve_spec_accepted_tokens", "Draft tokens the model agreed with", s.num_accepted_tokens),

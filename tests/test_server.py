@@ -416,7 +416,6 @@ def test_metrics_endpoint(server):
         "ovserve_preemptions_total",
         "ovserve_prompt_tokens_total",
         "ovserve_step_shape_changes_total",
-        "ovserve_padded_steps_total",
     ):
         assert name in after, name
     assert added["ovserve_generated_tokens_total"] >= 4

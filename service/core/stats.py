@@ -58,7 +58,6 @@ class EngineStats:
     num_verify_steps: int = 0  # request-steps that verified drafts; each also yields one token of the model's
     num_steps: int = 0
     num_shape_changes: int = 0  # steps whose input shape differed from the last (each prepares kernels anew)
-    num_padded_steps: int = 0  # steps run padded to a larger shape to keep it (ShapeKeeper)
     num_failed_steps: int = 0
     last_step_seconds: float = 0.0
     tokens_per_step: float = 0.0

@@ -59,7 +59,6 @@ class StatsBook:
             num_verify_steps=scheduler.num_verify_steps,
             num_steps=s.num_steps + (plan is not None),
             num_shape_changes=self.num_shape_changes,
-            num_padded_steps=0,  # steps are no longer padded to keep a shape (docs/SPECULATIVE.md)
             num_failed_steps=self.num_failed_steps,
             last_step_seconds=clock.total if clock else s.last_step_seconds,
             tokens_per_step=float(plan.num_tokens) if plan else s.tokens_per_step,
