@@ -30,6 +30,7 @@ QUESTIONS = [
 NEW = 48
 GREEDY = SamplingParams(max_new_tokens=NEW)
 SEEDED = SamplingParams(max_new_tokens=NEW, temperature=0.7, seed=1)
+LONG = SamplingParams(max_new_tokens=NEW, ignore_eos=True)  # replies that fill their blocks
 
 
 def chats(engine: Engine) -> list[list[int]]:
@@ -133,20 +134,20 @@ def test_a_restored_prefix_gives_the_cold_reply(served, smollm2_ir, tmp_path):
 
 
 def test_preemption_does_not_change_a_reply(smollm2_ir):
-    """A KV cache of 12 blocks for 8 requests of ~80 tokens: requests are preempted and recomputed, and reply
+    """A KV cache of 5 blocks for 8 requests of about 100 tokens: requests are preempted and recomputed, and reply
     what they reply alone with room for all."""
     roomy = Engine(smollm2_ir, EngineConfig(enable_prefix_caching=False))
     roomy.start()
     try:
         prompts = chats(roomy)
-        alone = one_by_one(roomy, prompts, GREEDY)
+        alone = one_by_one(roomy, prompts, LONG)
         block_bytes = roomy.info.kv_cache_bytes / (roomy.info.num_kv_blocks + 1)
     finally:
         roomy.shutdown()
-    tight = Engine(smollm2_ir, EngineConfig(enable_prefix_caching=False, kv_cache_gb=13 * block_bytes / 2**30))
+    tight = Engine(smollm2_ir, EngineConfig(enable_prefix_caching=False, kv_cache_gb=6 * block_bytes / 2**30))
     tight.start()
     try:
-        replies = beside(tight, prompts, GREEDY, 0)
+        replies = beside(tight, prompts, LONG, 0)
         assert tight.stats().num_preemptions > 0
     finally:
         tight.shutdown()
