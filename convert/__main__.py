@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import signal
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.dir}: OK")
             return 0
         args = _parser().parse_args(argv)
+        _check_converter_installed()
         from convert.export import Options, convert
 
         options = Options(
@@ -49,6 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written to the output folder", file=sys.stderr)
         return 130
+
+
+CONVERTER_PACKAGES = ("torch", "transformers", "optimum", "nncf", "gguf")
+
+
+def _check_converter_installed() -> None:
+    """A serving-only install (make install-runtime) has none of the converter's packages: one line, not an
+    ImportError from deep inside the export."""
+    missing = [name for name in CONVERTER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConvertError(
+            f"converting needs the converter's packages, and {', '.join(missing)} cannot be imported: run "
+            "`make install-convert` (or `pip install -e '.[convert]'`)"
+        )
 
 
 def _interrupt(signum, frame):
