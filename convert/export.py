@@ -30,7 +30,11 @@ GROUP_SIZE_FALLBACK = "adjust"  # int4 layers whose channels the group size does
 EMBEDDED_DEFAULT = "smollm2"
 LOW_SPACE_BYTES = 64 << 20
 # Part of a conversion's identity: bump it when the files written change, so old outputs are redone.
-CONVERTER_VERSION = 4  # 4: manifest vocab_size; added tokens outside the vocabulary dropped
+CONVERTER_VERSION = 5  # 5: the embedded default's recommended sampling settings; 4: manifest vocab_size
+# The sampling settings SmolLM2-135M-Instruct's model card recommends (its example calls generate with these):
+# written into the default model's generation_config.json, so the HTTP API and the playground sample as the
+# model's authors intend rather than at OpenAI's temperature 1, which gives word salad from a 135M model.
+EMBEDDED_DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,8 @@ def _materialize(source: str, scratch: Path, options: Options) -> tuple[Path, Pa
         gguf = embedded_gguf()
         # The GGUF names <|im_start|> as eos; a chat turn really ends at <|im_end|>. It also names <|im_start|> as
         # a BOS to prepend, which doubles the <|im_start|> that opens every chat prompt (SmolLM2 uses no BOS).
-        return (*_from_gguf(gguf, scratch), {"eos_token": "<|im_end|>", "gguf": True, "no_bos": True})
+        quirks = {"eos_token": "<|im_end|>", "gguf": True, "no_bos": True, "sampling": EMBEDDED_DEFAULT_SAMPLING}
+        return (*_from_gguf(gguf, scratch), quirks)
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -369,6 +374,7 @@ def _write_tokenizer(tokenizer_dir: Path, work: Path, quirks: dict, vocab_size: 
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     if eos_id is not None and ("eos_token" in quirks or "eos_token_id" not in gen):
         gen["eos_token_id"] = [eos_id]
+    gen.update(quirks.get("sampling", {}))
     gen_path.write_text(json.dumps(gen, indent=2))
     from convert.vocab import fit_tokenizer
 

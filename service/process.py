@@ -76,6 +76,8 @@ class Server:
         if not engine.alive:
             raise RuntimeError("the engine stopped while starting")
         self.serving.attach(engine)
+        if self.http is not None:
+            log.info("%s", sampling_note(engine.info.sampling_defaults, engine.info.model_dir))
         log.info("serving %s", self.ready_line(engine))
 
     def ready_line(self, engine: EngineClient) -> str:
@@ -142,6 +144,22 @@ async def start_server(engine: EngineClient, config: ServerConfig, started: bool
     await server.start()
     await server.attach(engine, started)
     return server, server.port
+
+
+def sampling_note(defaults: tuple[tuple[str, float], ...], model_dir: str) -> str:
+    """What an HTTP request that sets no sampling field gets, and where that comes from (gRPC is greedy)."""
+    source = Path(model_dir) / "generation_config.json"
+    if defaults:
+        chosen = ", ".join(f"{name} {value:g}" for name, value in defaults)
+        where = f"the model's recommendation in {source}"
+        if not any(name == "temperature" for name, _ in defaults):
+            chosen, where = f"{chosen}, temperature 1", f"{where}, then OpenAI's default"
+    else:
+        chosen, where = "temperature 1", f"OpenAI's default: {source} recommends no sampling settings"
+    return (
+        f"HTTP requests that set no sampling fields sample at {chosen} ({where}); gRPC requests decode greedily "
+        "unless they set temperature"
+    )
 
 
 def versions() -> str:

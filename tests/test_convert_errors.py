@@ -186,3 +186,29 @@ def test_full_disk(tiny_qwen3_hf: Path, tmp_path: Path):
         _assert_clean_failure(result, out, before, "no space left")
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_serving_only_install_is_told_how_to_get_the_converter(tmp_path: Path):
+    """Without torch and optimum (make install-runtime), one line naming them and the target that installs them."""
+    hide = "import sys; sys.modules['torch'] = sys.modules['optimum'] = None; from convert.__main__ import main; "
+    result = run_cli("-c", hide + f"sys.exit(main(['smollm2', {str(tmp_path / 'out')!r}]))", check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: converting needs the converter's packages, and torch, optimum cannot be imported: run "
+        "`make install-convert` (or `pip install -e '.[convert]'`)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_help_explains_sources_formats_and_output():
+    from convert.__main__ import _parser, _verify_parser
+
+    result = run_cli("-m", "convert", "--help")
+    text = " ".join(result.stdout.split())
+    for words in ("smollm2", "local Hugging Face model folder", "Hugging Face Hub", ".gguf", "qwen3"):
+        assert words in text, words
+    for words in ("int8 (default)", "int4:", "fp16: uncompressed", "generation_config.json", "manifest.json"):
+        assert words in text, words
+    assert "python -m convert verify DIR" in text
+    for parser in (_parser(), _verify_parser()):  # every flag and argument says what it is for
+        assert all(action.help for action in parser._actions), [a.dest for a in parser._actions if not a.help]

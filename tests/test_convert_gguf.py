@@ -19,6 +19,8 @@ def test_default_model_manifest_and_quirks(smollm2_ir: Path):
     assert 130e6 < manifest["parameters"] < 140e6
     gen = json.loads((smollm2_ir / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [2]  # the turn ends at <|im_end|>, not the GGUF's <|im_start|>
+    # the model card's recommended sampling, which the HTTP API uses for requests that set none
+    assert (gen["do_sample"], gen["temperature"], gen["top_p"]) == (True, 0.2, 0.9)
     tok_config = json.loads((smollm2_ir / "tokenizer_config.json").read_text())
     assert tok_config["eos_token"] == "<|im_end|>"
     assert "<|im_start|>" in tok_config["chat_template"]

@@ -539,3 +539,20 @@ def test_metrics_on_the_api_port_and_the_ready_line(server, sdk, model, caplog):
     for place in (f"gRPC 127.0.0.1:{server.server.port}", f"OpenAI API {server.url}/v1", f"playground {server.url}/"):
         assert place in line
     assert "ovserve " in line and "OpenVINO 20" in line
+
+
+def test_the_default_model_samples_as_its_authors_recommend(smol_server):
+    """SmolLM2 converted by `python -m convert smollm2` carries its model card's temperature 0.2 and top_p 0.9:
+    a request that sets no sampling field gets the reply of one that sets them (same seed), not the word salad
+    of OpenAI's temperature 1."""
+    assert smol_server.engine.info.sampling_defaults == (("temperature", 0.2), ("top_p", 0.9))
+    with openai_client(smol_server) as sdk:
+        model = smol_server.engine.info.model_id
+        ask = {"max_tokens": 24, "seed": 3}
+
+        def reply(**kw):
+            return chat(sdk, model, "Write a haiku about autumn.", **ask, **kw).choices[0].message.content
+
+        unset = reply()
+        assert unset == reply(temperature=0.2, top_p=0.9)
+        assert unset != reply(temperature=1.0, top_p=1.0), unset  # what the model gave before: OpenAI's defaults

@@ -272,3 +272,22 @@ def test_the_readme_examples_run(tiny):
         [sys.executable, "-c", python.replace("8000", port)], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert result.returncode == 0 and result.stdout.startswith("get_weather {"), result.stderr
+
+
+def test_the_tools_demo_shows_a_valid_call_end_to_end(tiny_qwen3_ir):
+    """`make tools-demo`'s script on the tiny Qwen3 (the template given as a server flag here; the demo's own
+    model carries it): a server of its own, a forced call that parses, its result sent back, then it stops."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.paths import ROOT, TEMPLATE
+
+    script = [sys.executable, "scripts/tools_demo.py", str(tiny_qwen3_ir), "--chat-template", str(TEMPLATE)]
+    result = subprocess.run(script, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert '== tool_choice "required": the message as the API returns it' in out
+    parsed = re.search(r"^parsed: get_weather\((\{.*\})\); finish_reason 'tool_calls'$", out, re.M)
+    assert parsed, out
+    assert "== the tool's result sent back" in out and "stopped" in result.stderr

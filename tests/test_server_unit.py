@@ -542,6 +542,22 @@ def test_model_files_read_sampling_defaults(tmp_path):
     assert ModelFiles.read(tmp_path).sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20.0}
 
 
+def test_the_start_log_says_which_sampling_http_requests_get_and_from_where():
+    from service.process import sampling_note
+
+    note = sampling_note((("temperature", 0.2), ("top_p", 0.9)), "models/m")
+    assert (
+        "sample at temperature 0.2, top_p 0.9 (the model's recommendation in models/m/generation_config.json)" in note
+    )
+    assert "gRPC requests decode greedily" in note
+    note = sampling_note((("top_k", 20.0),), "models/m")
+    assert (
+        "at top_k 20, temperature 1 (the model's recommendation in models/m/generation_config.json, then OpenAI" in note
+    )
+    note = sampling_note((), "models/m")
+    assert "at temperature 1 (OpenAI's default: models/m/generation_config.json recommends no sampling" in note
+
+
 @pytest.mark.parametrize(
     ("field", "value"), [("temperature", -1), ("top_p", 0), ("top_k", 2.5), ("repetition_penalty", 50)]
 )

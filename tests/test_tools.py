@@ -43,13 +43,14 @@ EXPECTED = (
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    """The real Qwen3 vocabulary and special tokens (the synthetic models' tokenizer), saved as a model folder."""
+    """The real Qwen3 vocabulary and special tokens (the synthetic models' tokenizer) with the shipped template,
+    saved as a model folder, as `make tools-model` builds its checkpoint: served without --chat-template."""
     from convert.synthetic import qwen3_tokenizer
 
     folder = tmp_path_factory.mktemp("qwen3")
-    hf = qwen3_tokenizer()
+    hf = qwen3_tokenizer(TEMPLATE.read_text())
     hf.save_pretrained(folder)
-    return hf, Tokenizer(folder, TEMPLATE)
+    return hf, Tokenizer(folder)
 
 
 def test_the_shipped_template_renders_tools_as_qwen3_expects(qwen3):
@@ -86,6 +87,33 @@ def test_tools_and_earlier_calls_that_spell_a_special_token_are_refused(qwen3):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     with pytest.raises(InvalidArgument, match=r"^messages\[1\]\.tool_calls: "):
         ours.encode_chat(messages, TOOLS)
+
+
+def test_a_qwen3_tokenizer_whose_template_lacks_tools_is_pointed_at_the_shipped_template(qwen3, tmp_path):
+    from convert.synthetic import CHAT_TEMPLATE
+
+    hf, _ = qwen3
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "plain.jinja").write_text(CHAT_TEMPLATE)  # the synthetic models' default: ChatML without tools
+    plain = Tokenizer(tmp_path, tmp_path / "plain.jinja")
+    with pytest.raises(InvalidArgument, match=r"^tools: this model's chat template does not render tools") as err:
+        plain.encode_chat([{"role": "user", "content": "Hi"}], TOOLS)
+    assert "--chat-template templates/qwen3-instruct-2507.jinja" in str(err.value)
+
+
+@pytest.mark.parametrize("template", ["{{ messages[0]['content'] }}", "{{ tools }}{{ messages[0]['content'] }}"])
+def test_a_model_without_the_tool_call_tokens_is_told_what_serves_tools(tmp_path, template):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    HFTokenizer(WordLevel({"Hi": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_text(template)
+    with pytest.raises(InvalidArgument, match=r"^tools: tool calls need a model in Qwen3's tool format") as err:
+        Tokenizer(tmp_path).encode_chat([{"role": "user", "content": "Hi"}], TOOLS)
+    message = str(err.value)
+    assert "it has no <tool_call> and </tool_call> tokens" in message
+    assert ("does not render tools" in message) == ("tools" not in template)
+    assert "python -m convert <local Hugging Face folder or hub id" in message and "make tools-demo" in message
 
 
 def test_the_tool_grammar_admits_qwen3_calls_and_nothing_else(qwen3, tmp_path):

@@ -148,11 +148,9 @@ class Engine:
 
     def tool_call_ids(self) -> tuple[int, int]:
         """The tokens that open and close a tool call in the model's format (Qwen3's)."""
+        self.tokenizer.check_tools()
         ids = self.tokenizer.token_to_id(OPEN_TAG), self.tokenizer.token_to_id(CLOSE_TAG)
-        if ids[0] is None or ids[1] is None:
-            raise InvalidArgument(
-                "tools", f"this model has no {OPEN_TAG} and {CLOSE_TAG} tokens: its tool-call format is not supported"
-            )
+        assert ids[0] is not None and ids[1] is not None  # check_tools refuses a model without them
         return ids[0], ids[1]
 
     def _make_request(self, asked: GenerationRequest, matcher: Matcher | None) -> Request:

@@ -12,6 +12,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.model_files import read_json
 from service.errors import InvalidArgument
 
@@ -56,6 +57,30 @@ class Tokenizer:
         """Whether the chat template shows tools to the model (it reads the `tools` variable)."""
         return self._template_source is not None and "tools" in self._template_source
 
+    def check_tools(self) -> None:
+        """Tool calls need Qwen3's format: a chat template that shows the tools to the model and the tokens
+        that open and close a call. Otherwise InvalidArgument naming `tools`, saying what would serve them."""
+        has_tokens = self.token_to_id(OPEN_TAG) is not None and self.token_to_id(CLOSE_TAG) is not None
+        if has_tokens and self.renders_tools:
+            return
+        if has_tokens:
+            raise InvalidArgument(
+                "tools",
+                "this model's chat template does not render tools; its tokenizer has Qwen3's tool-call tokens, so "
+                "serve it with --chat-template templates/qwen3-instruct-2507.jinja (in the ovserve repository) or "
+                "another template that renders `tools`",
+            )
+        missing = f"it has no {OPEN_TAG} and {CLOSE_TAG} tokens"
+        if not self.renders_tools:
+            missing = f"its chat template does not render tools and {missing}"
+        raise InvalidArgument(
+            "tools",
+            f"tool calls need a model in Qwen3's tool format, and {missing}: serve a Qwen3 instruct model, "
+            "converted with `python -m convert <local Hugging Face folder or hub id, such as "
+            "Qwen/Qwen3-4B-Instruct-2507> DIR`; `make tools-demo` shows the format offline on a tiny random-weight "
+            "Qwen3",
+        )
+
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
     ) -> str:
@@ -70,10 +95,8 @@ class Tokenizer:
                 )
         if self._template is None:
             raise InvalidArgument("messages", "this model has no chat template; send a raw prompt instead")
-        if tools and not self.renders_tools:
-            raise InvalidArgument(
-                "tools", "this model's chat template does not render tools (serve it with a --chat-template that does)"
-            )
+        if tools:
+            self.check_tools()
         return self._template.render(
             messages=list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, **self._special
         )
