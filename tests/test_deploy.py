@@ -42,8 +42,11 @@ CONVERT_MODULE = "convert"
 MODEL_MOUNT = "/models"
 
 # --- What the manifests must look like. ---
-BUILDS = ("base", "overlays/small", "overlays/large")
-OVERLAY_CPUS = {"overlays/small": 2, "overlays/large": 32}
+BUILDS = ("base", "overlays/small", "overlays/large", "overlays/laptop")
+OVERLAY_CPUS = {"overlays/small": 2, "overlays/large": 32, "overlays/laptop": 1}
+# A one-node test cluster (kind, minikube, k3s): the server pod (waiting for the Job) and the Job are scheduled
+# side by side on a node with this much free.
+LAPTOP_NODE = {"cpu": 2, "memory": 6 * 2**30}
 REQUIRED_KINDS = {
     "ConfigMap",
     "PersistentVolumeClaim",
@@ -368,6 +371,39 @@ def test_model_volume_read_only_for_server_and_written_by_job(name):
     }, "the Job writes where the server reads: both take OVSERVE_MODEL from the same ConfigMap"
     script = " ".join(convert["command"] + convert["args"])
     assert f"-m {CONVERT_MODULE}" in script and f"${ENV_MODEL}" in script
+
+
+def pod_requests(spec: dict) -> tuple[float, int]:
+    """What the scheduler reserves for a pod: the larger of its biggest init container and its containers' sum."""
+
+    def need(containers: list[dict]) -> tuple[float, int]:
+        cpus = [cpu_cores(c["resources"]["requests"]["cpu"]) for c in containers]
+        mems = [mem_bytes(c["resources"]["requests"]["memory"]) for c in containers]
+        return sum(cpus), sum(mems)
+
+    inits = [need([c]) for c in spec.get("initContainers", [])]
+    main = need(spec["containers"])
+    return max([main[0], *(i[0] for i in inits)]), max([main[1], *(i[1] for i in inits)])
+
+
+def test_laptop_overlay_fits_a_one_node_cluster():
+    """ReadWriteOnce where the base asks ReadWriteMany (which stays Pending on kind, minikube and k3s), one
+    replica that the HPA keeps at one, and the server pod beside the conversion Job within LAPTOP_NODE."""
+    docs = build("overlays/laptop")
+    assert one(build("base"), "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert one(docs, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert one(docs, "Deployment")["spec"]["replicas"] == 1
+    hpa = one(docs, "HorizontalPodAutoscaler")["spec"]
+    assert hpa["minReplicas"] == hpa["maxReplicas"] == 1
+    server_cpu, server_mem = pod_requests(pod_spec(docs))
+    job_cpu, job_mem = pod_requests(pod_spec(docs, "Job"))
+    assert server_cpu + job_cpu <= LAPTOP_NODE["cpu"]
+    assert server_mem + job_mem <= LAPTOP_NODE["memory"]
+    env = server_env(docs)
+    assert env[ENV_MODEL] == config(build("overlays/small"))[ENV_MODEL], "the embedded model: no download"
+    assert config(docs)["CONVERT_SOURCE"] == "smollm2"
+    (disk,) = [v for v in pod_spec(docs)["volumes"] if v["name"] == "kv-disk"]
+    assert float(env["OVSERVE_KV_DISK_GB"]) * 2**30 < mem_bytes(disk["emptyDir"]["sizeLimit"])
 
 
 # --------------------------------------------------------------------------------------------------
