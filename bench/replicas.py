@@ -43,16 +43,25 @@ def free_port() -> int:
 
 
 class Replica:
-    """`python -m service` on 127.0.0.1 and a free port, its log in a file (a pipe nobody reads would fill
-    up and stall the server)."""
+    """`python -m service` on 127.0.0.1 and free ports (gRPC and HTTP), its log in a file (a pipe nobody reads
+    would fill up and stall the server)."""
 
     def __init__(
-        self, model: Path, log: Path, threads: int = 1, kv_cache_gb: float = 0.05, *args: str, port: int = 0
+        self,
+        model: Path,
+        log: Path,
+        threads: int = 1,
+        kv_cache_gb: float = 0.05,
+        *args: str,
+        port: int = 0,
+        http_port: int = 0,
     ) -> None:
         self.port = port or free_port()
+        self.http_port = http_port or free_port()
         self.log = log
         command = [sys.executable, "-m", "service", "--model", str(model), "--host", "127.0.0.1"]
-        command += ["--port", str(self.port), "--metrics-port", "0", "--http-port", "0", "--threads", str(threads)]
+        command += ["--port", str(self.port), "--metrics-port", "0", "--http-port", str(self.http_port)]
+        command += ["--threads", str(threads)]
         command += ["--kv-cache-gb", str(kv_cache_gb), *args]
         with log.open("w") as out:
             self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -119,6 +128,7 @@ class HAProxy:
         with self.log.open("w") as out:
             self.proc = subprocess.Popen([exe, "-db", "-f", str(self.config)], stdout=out, stderr=subprocess.STDOUT)
         self.target = f"127.0.0.1:{pool.listen_port}"
+        self.http_url = f"http://127.0.0.1:{pool.http_listen_port}"
         wait_listening("haproxy", self.proc, self.log, pool.listen_port, 10)
 
     def stop(self) -> None:
@@ -136,8 +146,10 @@ def local_pool(replicas: list[Replica], **kw) -> Pool:
     settings = {"check_interval_ms": 500, "check_timeout_ms": 500} | kw
     return Pool(
         backends=tuple(("127.0.0.1", r.port) for r in replicas),
+        http_backends=tuple(("127.0.0.1", r.http_port) for r in replicas),
         listen_host="127.0.0.1",
         listen_port=free_port(),
+        http_listen_port=free_port(),
         health_port=free_port(),
         **settings,
     )
@@ -430,7 +442,8 @@ def drain_round(model: Path, balancer: str, delay: float, streams: int, max_new_
             for i, replica in enumerate(replicas):  # a rolling restart of the three, one at a time
                 replica.proc.send_signal(15)
                 replica.proc.wait(60)
-                replicas[i] = Replica(model, work / f"replica{i}-again.log", 1, 0.05, *args, port=replica.port)
+                again = work / f"replica{i}-again.log"
+                replicas[i] = Replica(model, again, 1, 0.05, *args, port=replica.port, http_port=replica.http_port)
                 replicas[i].wait_serving()
                 time.sleep(3)  # back in the pool (two passing checks) before the next one leaves
             result = load.stop()

@@ -5,6 +5,7 @@ replicas behind Debian's HAProxy configured by deploy/lb.py (hashing, failover).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import re
 import shutil
@@ -143,6 +144,26 @@ def _sessions_by_server(log: str) -> dict[str, str]:
     return {m[1]: m[0] for m in re.findall(r"replicas/(\S+) .*?\{([0-9a-f]+)\}", log)}
 
 
+def _http_routes(log: str) -> list[tuple[str, str]]:
+    """(HAProxy server name, x-session-id or "") of each request through the HTTP route, in order."""
+    return re.findall(r"replicas_http/(\S+) .*?\{([0-9a-f]*)\}", log)
+
+
+def _http_chat(url: str, session: str | None, stream: bool) -> dict | list[str]:
+    """One chat completion of 8 tokens over HTTP: the reply (JSON), or the server-sent events' data lines."""
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "ignore_eos": True}
+    headers = {"content-type": "application/json"} | ({"x-session-id": session} if session else {})
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", json.dumps(body | {"stream": stream}).encode(), headers
+    )
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    if not stream:
+        return json.loads(text)
+    return [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_three_replicas_behind_haproxy(tiny_qwen3_ir, tmp_path):
@@ -164,6 +185,24 @@ def test_three_replicas_behind_haproxy(tiny_qwen3_ir, tmp_path):
         print(f"\nhistory from the prefix cache: session hashing {hashed_share:.1%}, round robin {rr_share:.1%}")
         assert hashed_share >= 0.9
         assert rr_share < hashed_share
+
+        # The OpenAI API through the HTTP route: real completions, streamed and not; a session's requests all
+        # on the replica its gRPC turns use (the same servers in the same order in both backends, so the same
+        # ring); requests without a key spread over the replicas.
+        session = hashed[1].session_id
+        grpc_home = _sessions_by_server(lb.log.read_text())[session]
+        reply = _http_chat(lb.http_url, session, stream=False)
+        assert reply["usage"]["completion_tokens"] == 8 and reply["choices"][0]["message"]["role"] == "assistant"
+        events = _http_chat(lb.http_url, session, stream=True)
+        assert events[-1] == "[DONE]" and any(json.loads(e)["choices"] for e in events[:-1])
+        for _ in range(8):
+            assert _http_chat(lb.http_url, None, stream=False)["usage"]["completion_tokens"] == 8
+        time.sleep(0.5)  # HAProxy logs a request once it ends
+        routes = _http_routes(lb.log.read_text())
+        assert [name for name, key in routes if key == session] == [grpc_home] * 2
+        # Without a key HAProxy walks the ring from request to request: neighbours on it are often the same
+        # replica, so 8 requests reach at least two (all on one: about 1 time in 2,000 by chance).
+        assert len({name for name, key in routes if not key}) >= 2
 
         # Failover: every conversation streams a long turn; once all have started, one replica is killed and
         # another drained. Conversations on the killed one see UNAVAILABLE and send the turn again.
