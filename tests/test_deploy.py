@@ -17,6 +17,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from deploy import lb
 from tests.support.kustomize import DEPLOY, K8S_VERSIONS, build, build_kubectl, build_lite, kubectl, one
@@ -458,3 +459,63 @@ def test_dockerfiles():
     assert any(op == "ENTRYPOINT" and SERVER_MODULE in arg for op, arg in runtime)
     assert "'.[convert]'" in " ".join(arg for op, arg in convert if op == "RUN")
     assert any(op == "ENTRYPOINT" and CONVERT_MODULE in arg for op, arg in convert)
+
+
+# --------------------------------------------------------------------------------------------------
+# docs/DEPLOY.md's commands against the manifests
+
+DEPLOY_MD = ROOT / "docs" / "DEPLOY.md"
+
+
+def _section(title: str) -> str:
+    text = DEPLOY_MD.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def _images(docs) -> set[str]:
+    return {c["image"] for kind in ("Deployment", "Job") for c in pod_containers(pod_spec(docs, kind))}
+
+
+def test_laptop_steps_name_what_the_manifests_hold():
+    """The images built and loaded, the builds applied, the Job and Deployment waited for, and the Services
+    and ports forwarded in "On a laptop cluster" all exist as written."""
+    steps = _section("On a laptop cluster")
+    docs = build("overlays/laptop")
+    built = set(re.findall(r"docker build -f deploy/Dockerfile\.\w+ -t (\S+) \.", steps))
+    assert built == _images(docs)
+    for line in re.findall(r"^\s*(?:kind load|minikube image load|docker save) .*$", steps, re.MULTILINE):
+        assert set(re.findall(r"ovserve-[\w.:-]+", line)) == built, line
+    applied = re.findall(r"kubectl apply -n ovserve -k deploy/k8s/(\S+)", steps)
+    assert applied == ["overlays/laptop", "routing/haproxy"]
+    for kind, name in re.findall(r"\b(job|deployment)/([\w-]+)", steps):
+        one(docs, kind.capitalize(), name)
+    forwards = re.findall(r"kubectl port-forward -n ovserve service/([\w-]+) ((?:\d+:\d+ ?)+)", steps)
+    assert len(forwards) == 2
+    for name, pairs in forwards:
+        service = [s for b in applied for s in all_of(build(b), "Service") if s["metadata"]["name"] == name]
+        assert len(service) == 1, name
+        ports = {p["port"]: p["name"] for p in service[0]["spec"]["ports"]}
+        remote = [int(pair.split(":")[1]) for pair in pairs.split()]
+        assert [ports.get(p) for p in remote] == ["grpc", "http"], (name, remote)
+    laptop_ports = {p["name"]: p["port"] for p in one(docs, "Service", "ovserve")["spec"]["ports"]}
+    assert f"--target localhost:{laptop_ports['grpc']}" in steps
+    assert f"localhost:{laptop_ports['http']}/v1/chat/completions" in steps
+
+
+def test_registry_overlay_of_the_deploy_steps_renders_with_kubectl(tmp_path):
+    """Step 2 of "Deploy in a few commands", as written (REGISTRY filled in), renders with kubectl's built-in
+    kustomize and points every image at the registry."""
+    if kubectl() is None:
+        pytest.skip("kubectl not installed")
+    steps = _section("Deploy in a few commands")
+    (script,) = re.findall(r"^mkdir -p my-ovserve .*?^EOF$", steps, re.MULTILINE | re.DOTALL)
+    (tmp_path / "deploy").symlink_to(DEPLOY)  # the step runs from the repository's root
+    subprocess.run(["bash", "-c", script.replace("REGISTRY", "registry.example")], cwd=tmp_path, check=True)
+    out = subprocess.run(
+        [kubectl(), "kustomize", "my-ovserve"], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    images = _images(list(yaml.safe_load_all(out.stdout)))
+    assert images == {"registry.example/ovserve-runtime:0.1.0", "registry.example/ovserve-convert:0.1.0"}
+    assert "kubectl apply -n ovserve -k my-ovserve" in steps and "kustomize edit" not in DEPLOY_MD.read_text()
