@@ -299,14 +299,16 @@ def test_envoy_routes_http_and_grpc_to_real_replicas(two_servers, tmp_path):
                 pass
             assert time.monotonic() < deadline, proxy.log.read_text()[-2000:]
             time.sleep(0.2)
-        session = new_session_id()
-        before = [_served(s) for s in two_servers]
-        for _ in range(3):
-            reply = _http_chat(url, session, stream=False)
-            assert reply["usage"]["completion_tokens"] == 8 and reply["choices"][0]["message"]["role"] == "assistant"
-        events = _http_chat(url, session, stream=True)
-        assert events[-1] == "[DONE]" and any(json.loads(e)["choices"] for e in events[:-1])
-        assert sorted(_served(s) - b for s, b in zip(two_servers, before, strict=True)) == [0, 32]
+        # Two sessions of four requests: each all on one replica (by chance, without hashing: 1 time in 64).
+        for session in (new_session_id(), new_session_id()):
+            before = [_served(s) for s in two_servers]
+            for _ in range(3):
+                reply = _http_chat(url, session, stream=False)
+                assert reply["usage"]["completion_tokens"] == 8
+                assert reply["choices"][0]["message"]["role"] == "assistant"
+            events = _http_chat(url, session, stream=True)
+            assert events[-1] == "[DONE]" and any(json.loads(e)["choices"] for e in events[:-1])
+            assert sorted(_served(s) - b for s, b in zip(two_servers, before, strict=True)) == [0, 32]
         assert _http_chat(url, None, stream=False)["usage"]["completion_tokens"] == 8
         with Client(f"127.0.0.1:{pool.listen_port}", timeout=TIMEOUT) as c:
             assert (
