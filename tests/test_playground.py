@@ -142,3 +142,40 @@ def test_a_page_opened_while_the_model_loads_recovers_by_itself(browser, tiny_qw
         wait_for(lambda: browser.find_element("id", "model").text == running.engine.info.model_id)
     finally:
         running.stop()
+
+
+def in_view(page, element) -> bool:
+    return page.execute_script(
+        "const r = arguments[0].getBoundingClientRect();"
+        "return r.height > 0 && r.top >= 0 && r.left >= 0 && r.bottom <= innerHeight && r.right <= innerWidth",
+        element,
+    )
+
+
+@pytest.fixture
+def small_window(page):
+    size = page.get_window_size()
+    page.set_window_size(560, 480)  # one column: the settings below the conversation, most of them out of view
+    yield page
+    page.set_window_size(size["width"], size["height"])
+
+
+def test_an_error_shows_in_view_next_to_the_setting_it_names(small_window, server):
+    page = small_window
+    fill(page, max_tokens=0)
+    send(page, "Hello there")
+    wait_for(lambda: page.find_elements("css selector", ".field-error"))
+    note = page.find_element("css selector", ".field-error")
+    field = page.find_element("id", "max_tokens")
+    assert note.find_element("xpath", "..") == field.find_element("xpath", "..")  # in the field's own label
+    assert "got 0" in note.text and in_view(page, note) and in_view(page, field)
+    notice = page.find_element("id", "notice")
+    assert notice.text.startswith("Max tokens: ") and in_view(page, notice)
+    # the message that failed is back in the composer and out of the conversation
+    assert page.find_element("id", "message").get_attribute("value") == "Hello there"
+    assert page.find_elements("css selector", ".message") == [] and page.execute_script("return history.length") == 0
+    fill(page, max_tokens=3)  # editing the setting takes its error away; the message goes through
+    assert page.find_elements("css selector", ".field-error") == [] and not notice.is_displayed()
+    page.find_element("id", "send").click()
+    wait_for(lambda: replies(page) and replies(page)[-1].find_element("class name", "stats").text)
+    assert page.execute_script("return history.map(m => m.role)") == ["user", "assistant"]

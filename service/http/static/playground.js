@@ -10,6 +10,7 @@ const history = []; // the conversation without the system prompt: {role, conten
 let controller = null; // the reply in progress
 let conversation = 0; // counts Clears: a reply that ends after one belongs to no conversation
 const RETRY_MS = 2000; // while the model loads (503) or the server cannot be reached
+const FIELDS = { max_new_tokens: "max_tokens" }; // the server's names for settings whose field is named otherwise
 
 function requestHeaders() {
   const headers = { "Content-Type": "application/json" };
@@ -84,13 +85,35 @@ function describe(run) {
   return parts.join(" · ");
 }
 
+// An error goes above the conversation, where it is always in view, and next to the setting it names.
+function showError(message, param) {
+  const name = FIELDS[param] || param;
+  const field = name ? document.getElementById(name) : null;
+  $("notice").textContent = field ? `${field.closest("label").firstChild.textContent.trim()}: ${message}` : message;
+  $("notice").hidden = false;
+  if (!field || !field.closest("#settings")) return;
+  const note = document.createElement("div");
+  note.className = "field-error";
+  note.textContent = message;
+  field.closest("label").append(note);
+  field.setAttribute("aria-invalid", "true");
+  field.scrollIntoView({ block: "nearest" });
+}
+
+function clearErrors() {
+  $("notice").hidden = true;
+  for (const note of document.querySelectorAll(".field-error")) note.remove();
+  for (const field of document.querySelectorAll("[aria-invalid]")) field.removeAttribute("aria-invalid");
+}
+
 async function send() {
   const text = $("message").value.trim();
   if (!text || controller) return;
+  clearErrors();
   const mine = conversation;
   $("message").value = "";
   history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const mineBox = addMessage("user", text).box;
   const system = $("system").value.trim();
   const messages = (system ? [{ role: "system", content: system }] : []).concat(history);
   const view = addMessage("assistant", "");
@@ -108,7 +131,9 @@ async function send() {
     });
     if (!response.ok) {
       const error = await response.json().catch(() => null);
-      throw new Error(error && error.error ? error.error.message : `HTTP ${response.status}`);
+      const failure = new Error(error && error.error ? error.error.message : `HTTP ${response.status}`);
+      failure.param = response.status === 401 ? "token" : error && error.error && error.error.param;
+      throw failure;
     }
     for await (const chunk of events(response.body)) {
       if (chunk.error) throw new Error(chunk.error.message);
@@ -129,10 +154,7 @@ async function send() {
       run.finish = "stopped";
     } else {
       run.finish = "error";
-      const line = document.createElement("div");
-      line.className = "error";
-      line.textContent = error.message;
-      view.box.append(line);
+      showError(error.message, error.param);
     }
   } finally {
     run.ended = performance.now();
@@ -141,8 +163,14 @@ async function send() {
   }
   if (mine !== conversation) return; // cleared while it streamed: not part of the new conversation
   view.stats.textContent = describe(run);
-  if (reply) history.push({ role: "assistant", content: reply });
-  else history.pop(); // nothing came back: the message can be sent again
+  if (reply) {
+    history.push({ role: "assistant", content: reply });
+  } else {
+    history.pop(); // nothing came back: the message goes back to the composer, to be sent again
+    mineBox.remove();
+    view.box.remove();
+    if (!$("message").value) $("message").value = text;
+  }
 }
 
 let modelRetry = null;
@@ -181,4 +209,5 @@ $("clear").addEventListener("click", () => {
   $("log").replaceChildren();
 });
 $("token").addEventListener("change", showModel);
+$("settings").addEventListener("input", clearErrors);
 showModel();
