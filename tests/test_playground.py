@@ -179,3 +179,27 @@ def test_an_error_shows_in_view_next_to_the_setting_it_names(small_window, serve
     page.find_element("id", "send").click()
     wait_for(lambda: replies(page) and replies(page)[-1].find_element("class name", "stats").text)
     assert page.execute_script("return history.map(m => m.role)") == ["user", "assistant"]
+
+
+LOG_SCROLL = "const log = document.getElementById('log'); return [log.scrollTop, log.scrollHeight - log.clientHeight]"
+
+
+def test_a_streaming_reply_is_followed_only_while_the_reader_is_at_the_bottom(page, server):
+    fill(page, max_tokens=3000, ignore_eos=True)
+    send(page, "Tell me a very long story")
+    scroll = lambda: page.execute_script(LOG_SCROLL)  # noqa: E731
+    wait_for(lambda: scroll()[1] > 150)  # the reply overflows the view
+    top, bottom = scroll()
+    assert bottom - top < 24, (top, bottom)  # and the view went with it
+    page.execute_script("document.getElementById('log').scrollTop = 40")  # the reader scrolls up
+    grown = scroll()[1] + 120
+    wait_for(lambda: scroll()[1] > grown)
+    assert scroll()[0] == 40  # the view stays where the reader is
+    page.execute_script("const log = document.getElementById('log'); log.scrollTop = log.scrollHeight")
+    grown = scroll()[1] + 120
+    wait_for(lambda: scroll()[1] > grown)  # back at the bottom, the view follows again
+    top, bottom = scroll()
+    assert bottom - top < 24, (top, bottom)
+    assert server.engine.stats().num_running == 1  # all of it while the reply streamed
+    page.find_element("id", "stop").click()
+    wait_idle(server.engine)

@@ -41,9 +41,20 @@ function addMessage(role, text) {
   const stats = document.createElement("div");
   stats.className = "stats";
   box.append(label, content, stats);
+  const follow = atBottom();
   $("log").append(box);
-  box.scrollIntoView({ block: "end" });
+  if (follow) toBottom();
   return { box, content, stats };
+}
+
+// The view follows a streaming reply only while the user is at the bottom: once they scroll up to read, it stays.
+function atBottom() {
+  const log = $("log");
+  return log.scrollHeight - log.scrollTop - log.clientHeight < 24;
+}
+
+function toBottom() {
+  $("log").scrollTop = $("log").scrollHeight;
 }
 
 function setBusy(busy) {
@@ -117,6 +128,7 @@ async function send() {
   const system = $("system").value.trim();
   const messages = (system ? [{ role: "system", content: system }] : []).concat(history);
   const view = addMessage("assistant", "");
+  toBottom(); // sending takes the view to the new message
   const run = { started: performance.now(), first: null, ended: null, chunks: 0, usage: null, finish: "" };
   let reply = "";
   controller = new AbortController();
@@ -143,8 +155,9 @@ async function send() {
           if (run.first === null) run.first = performance.now();
           run.chunks += 1;
           reply += choice.delta.content;
+          const follow = atBottom();
           view.content.textContent = reply;
-          view.box.scrollIntoView({ block: "end" });
+          if (follow) toBottom();
         }
         if (choice.finish_reason) run.finish = "finished: " + choice.finish_reason;
       }
@@ -162,7 +175,9 @@ async function send() {
     setBusy(false);
   }
   if (mine !== conversation) return; // cleared while it streamed: not part of the new conversation
+  const follow = atBottom();
   view.stats.textContent = describe(run);
+  if (follow) toBottom();
   if (reply) {
     history.push({ role: "assistant", content: reply });
   } else {
