@@ -203,3 +203,89 @@ def test_a_streaming_reply_is_followed_only_while_the_reader_is_at_the_bottom(pa
     assert server.engine.stats().num_running == 1  # all of it while the reply streamed
     page.find_element("id", "stop").click()
     wait_idle(server.engine)
+
+
+# Records the body of every request the page sends.
+WATCH_REQUESTS = """
+window.sent = [];
+const fetched = window.fetch;
+window.fetch = (url, options) => {
+  if (options && options.body) window.sent.push(JSON.parse(options.body));
+  return fetched(url, options);
+};
+"""
+
+
+def answered(page, count: int) -> bool:
+    return len(replies(page)) == count and bool(replies(page)[-1].find_element("class name", "stats").text)
+
+
+def talk(page, *messages: str) -> None:
+    for text in messages:
+        count = len(replies(page)) + 1
+        send(page, text)
+        wait_for(lambda: answered(page, count))  # noqa: B023 (called before the loop moves on)
+
+
+def roles_and_texts(page):
+    return page.execute_script("return history.map(m => [m.role, m.content])")
+
+
+def test_copy_puts_a_message_on_the_clipboard_with_or_without_the_clipboard_api(page, server):
+    fill(page, max_tokens=6, ignore_eos=True)
+    talk(page, "Copy me")
+    page.execute_script("navigator.clipboard.writeText = (text) => { window.copied = text; return Promise.resolve(); }")
+    page.find_element("css selector", ".message.user button.copy").click()
+    wait_for(lambda: page.execute_script("return window.copied") == "Copy me")
+    # without the API (or refused by it), a selected text box and execCommand("copy")
+    page.execute_script("""
+        navigator.clipboard.writeText = () => Promise.reject(new DOMException("denied", "NotAllowedError"));
+        const command = document.execCommand.bind(document);
+        document.execCommand = (name) => {
+          window.copied = [name, document.activeElement.value];
+          return command(name);
+        };
+    """)
+    button = replies(page)[-1].find_element("css selector", "button.copy")
+    button.click()
+    reply = roles_and_texts(page)[-1][1]
+    assert reply and replies(page)[-1].find_element("class name", "content").text.strip() == reply.strip()
+    wait_for(lambda: page.execute_script("return window.copied") == ["copy", reply])
+    wait_for(lambda: button.text == "Copied")
+
+
+def test_regenerate_asks_again_without_the_last_reply(page, server):
+    fill(page, max_tokens=6, ignore_eos=True)
+    talk(page, "First", "Second")
+    regenerate = [r.find_element("css selector", "button.regenerate").is_displayed() for r in replies(page)]
+    assert regenerate == [False, True]  # only on the last reply
+    before = roles_and_texts(page)
+    page.execute_script(WATCH_REQUESTS)
+    replies(page)[-1].find_element("css selector", "button.regenerate").click()
+    wait_for(
+        lambda: page.execute_script("return window.sent.length") == 1 and not page.execute_script("return controller")
+    )
+    sent = page.execute_script("return window.sent[0].messages")
+    assert sent == [{"role": r, "content": c} for r, c in before[:3]]  # the conversation up to the last question
+    after = roles_and_texts(page)
+    assert [r for r, _ in after] == ["user", "assistant", "user", "assistant"] and after[:3] == before[:3]
+    assert len(replies(page)) == 2 and "6 tokens" in replies(page)[-1].find_element("class name", "stats").text
+
+
+def test_edit_and_resend_replaces_a_message_and_drops_what_came_after(page, server):
+    fill(page, max_tokens=6, ignore_eos=True)
+    talk(page, "First", "Second")
+    page.execute_script(WATCH_REQUESTS)
+    first = page.find_elements("css selector", ".message.user")[0]
+    first.find_element("css selector", "button.edit").click()
+    editor = first.find_element("css selector", "textarea.editor")
+    assert editor.get_attribute("value") == "First"
+    editor.clear()
+    editor.send_keys("Changed")
+    first.find_element("xpath", ".//button[text()='Send']").click()
+    wait_for(lambda: len(replies(page)) == 1 and replies(page)[0].find_element("class name", "stats").text)
+    assert page.execute_script("return window.sent.map(body => body.messages)") == [
+        [{"role": "user", "content": "Changed"}]
+    ]
+    assert [r for r, _ in roles_and_texts(page)] == ["user", "assistant"] and roles_and_texts(page)[0][1] == "Changed"
+    assert [m.text for m in page.find_elements("css selector", ".message.user .content")] == ["Changed"]

@@ -6,7 +6,7 @@
 
 const $ = (id) => document.getElementById(id);
 const NUMBER_SETTINGS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed"];
-const history = []; // the conversation without the system prompt: {role, content}
+const history = []; // the conversation without the system prompt: {role, content, stats}
 let controller = null; // the reply in progress
 let conversation = 0; // counts Clears: a reply that ends after one belongs to no conversation
 const RETRY_MS = 2000; // while the model loads (503) or the server cannot be reached
@@ -29,9 +29,13 @@ function settings() {
   return body;
 }
 
-function addMessage(role, text) {
+// A message's box; history[index] is the message. Copy on every message, Edit on the user's, Regenerate on the
+// last reply (CSS hides it on the others).
+function addMessage(index) {
+  const { role, content: text, stats: figures } = history[index];
   const box = document.createElement("div");
   box.className = "message " + role;
+  box.dataset.index = index;
   const label = document.createElement("div");
   label.className = "role";
   label.textContent = role;
@@ -40,11 +44,28 @@ function addMessage(role, text) {
   content.textContent = text;
   const stats = document.createElement("div");
   stats.className = "stats";
-  box.append(label, content, stats);
+  stats.textContent = figures || "";
+  const actions = document.createElement("div");
+  actions.className = "actions";
+  for (const action of ["copy", role === "user" ? "edit" : "regenerate"]) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = action;
+    button.dataset.action = action;
+    button.textContent = action[0].toUpperCase() + action.slice(1);
+    actions.append(button);
+  }
+  box.append(label, content, stats, actions);
   const follow = atBottom();
   $("log").append(box);
   if (follow) toBottom();
   return { box, content, stats };
+}
+
+function render() {
+  $("log").replaceChildren();
+  history.forEach((_, index) => addMessage(index));
+  toBottom();
 }
 
 // The view follows a streaming reply only while the user is at the bottom: once they scroll up to read, it stays.
@@ -117,20 +138,28 @@ function clearErrors() {
   for (const field of document.querySelectorAll("[aria-invalid]")) field.removeAttribute("aria-invalid");
 }
 
-async function send() {
+function send() {
   const text = $("message").value.trim();
   if (!text || controller) return;
-  clearErrors();
-  const mine = conversation;
   $("message").value = "";
   history.push({ role: "user", content: text });
-  const mineBox = addMessage("user", text).box;
+  addMessage(history.length - 1);
+  reply();
+}
+
+// Streams the model's reply to the conversation so far (which ends with the user's message).
+async function reply() {
+  clearErrors();
+  const mine = conversation;
   const system = $("system").value.trim();
-  const messages = (system ? [{ role: "system", content: system }] : []).concat(history);
-  const view = addMessage("assistant", "");
+  const turns = history.map(({ role, content }) => ({ role, content }));
+  const messages = (system ? [{ role: "system", content: system }] : []).concat(turns);
+  const entry = { role: "assistant", content: "" };
+  history.push(entry);
+  const view = addMessage(history.length - 1);
   toBottom(); // sending takes the view to the new message
   const run = { started: performance.now(), first: null, ended: null, chunks: 0, usage: null, finish: "" };
-  let reply = "";
+  let text = "";
   controller = new AbortController();
   setBusy(true);
   try {
@@ -154,9 +183,9 @@ async function send() {
         if (choice.delta.content) {
           if (run.first === null) run.first = performance.now();
           run.chunks += 1;
-          reply += choice.delta.content;
+          text += choice.delta.content;
           const follow = atBottom();
-          view.content.textContent = reply;
+          entry.content = view.content.textContent = text;
           if (follow) toBottom();
         }
         if (choice.finish_reason) run.finish = "finished: " + choice.finish_reason;
@@ -178,15 +207,79 @@ async function send() {
   const follow = atBottom();
   view.stats.textContent = describe(run);
   if (follow) toBottom();
-  if (reply) {
-    history.push({ role: "assistant", content: reply });
+  if (text) {
+    entry.stats = view.stats.textContent;
   } else {
-    history.pop(); // nothing came back: the message goes back to the composer, to be sent again
-    mineBox.remove();
-    view.box.remove();
-    if (!$("message").value) $("message").value = text;
+    history.length -= 1; // nothing came back: the user's message goes back to the composer, to be sent again
+    const { content } = history.pop();
+    if (!$("message").value) $("message").value = content;
+    render();
   }
 }
+
+async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    // no clipboard API (a page served over plain HTTP to another host) or no permission: the older way
+    const area = document.createElement("textarea");
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+}
+
+// Edit: the message becomes a text box; sending it replaces the message and drops everything after it.
+function edit(box, index) {
+  const area = document.createElement("textarea");
+  area.className = "editor";
+  area.value = history[index].content;
+  area.rows = Math.min(12, area.value.split("\n").length + 1);
+  const resend = document.createElement("button");
+  resend.type = "button";
+  resend.textContent = "Send";
+  const cancel = document.createElement("button");
+  cancel.type = "button";
+  cancel.textContent = "Cancel";
+  const editor = document.createElement("div");
+  editor.append(area, resend, cancel);
+  box.querySelector(".content").replaceWith(editor);
+  box.querySelector(".actions").hidden = true;
+  area.focus();
+  cancel.addEventListener("click", render);
+  resend.addEventListener("click", () => {
+    const text = area.value.trim();
+    if (!text || controller) return;
+    history.length = index;
+    history.push({ role: "user", content: text });
+    render();
+    reply();
+  });
+}
+
+$("log").addEventListener("click", (event) => {
+  const button = event.target.closest("button[data-action]");
+  if (!button) return;
+  const box = button.closest(".message");
+  const index = Number(box.dataset.index);
+  if (button.dataset.action === "copy") {
+    copyText(history[index].content).then(() => {
+      button.textContent = "Copied";
+      setTimeout(() => (button.textContent = "Copy"), 1500);
+    });
+  } else if (controller) {
+    return; // a reply is streaming: Stop it first
+  } else if (button.dataset.action === "regenerate") {
+    history.length = index; // the last reply goes; the conversation before it is asked again
+    box.remove();
+    reply();
+  } else {
+    edit(box, index);
+  }
+});
+
 
 let modelRetry = null;
 
