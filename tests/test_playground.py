@@ -54,6 +54,8 @@ def browser():
 @pytest.fixture
 def page(browser, server):
     browser.get(f"http://127.0.0.1:{server.server.http.port}/")
+    browser.execute_script("localStorage.clear()")  # no conversations kept from the tests before
+    browser.refresh()
     wait_for(lambda: browser.find_element("id", "model").text == server.engine.info.model_id)
     return browser
 
@@ -101,10 +103,20 @@ def test_a_reply_streams_in_with_its_timings(page, server):
     assert "prompt tokens cached" in replies(page)[-1].find_element("class name", "stats").text
 
 
-def test_stop_aborts_a_long_reply_on_the_server(page, server):
+def start_a_long_reply(page) -> None:
+    """Asks for 3,000 tokens and waits for the first of them."""
     fill(page, max_tokens=3000, ignore_eos=True)
     send(page, "Tell me a very long story")
     wait_for(lambda: replies(page) and len(replies(page)[-1].find_element("class name", "content").text) > 20)
+
+
+def assert_aborted(server) -> None:
+    s = wait_idle(server.engine)
+    assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)  # aborted on the server
+
+
+def test_stop_aborts_a_long_reply_on_the_server(page, server):
+    start_a_long_reply(page)
     assert server.engine.stats().num_running == 1
     page.find_element("id", "stop").click()
     stats = replies(page)[-1].find_element("class name", "stats")
@@ -116,12 +128,9 @@ def test_stop_aborts_a_long_reply_on_the_server(page, server):
 
 
 def test_clear_during_a_reply_aborts_it_and_keeps_it_out_of_the_next_conversation(page, server):
-    fill(page, max_tokens=3000, ignore_eos=True)
-    send(page, "Tell me a very long story")
-    wait_for(lambda: replies(page) and len(replies(page)[-1].find_element("class name", "content").text) > 20)
+    start_a_long_reply(page)
     page.find_element("id", "clear").click()
-    s = wait_idle(server.engine)
-    assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)  # aborted on the server
+    assert_aborted(server)
     assert page.find_elements("css selector", ".message") == []
     time.sleep(0.5)  # the aborted reply's last steps have run in the page
     assert page.execute_script("return history.length") == 0
@@ -289,3 +298,44 @@ def test_edit_and_resend_replaces_a_message_and_drops_what_came_after(page, serv
     ]
     assert [r for r, _ in roles_and_texts(page)] == ["user", "assistant"] and roles_and_texts(page)[0][1] == "Changed"
     assert [m.text for m in page.find_elements("css selector", ".message.user .content")] == ["Changed"]
+
+
+def conversation_titles(page):
+    return [item.text for item in page.find_elements("css selector", "#conversations button")]
+
+
+def test_conversations_are_kept_in_the_browser_and_switched_between(page, server):
+    fill(page, max_tokens=6, ignore_eos=True)
+    talk(page, "Alpha one", "Alpha two")
+    alpha = roles_and_texts(page)
+    page.find_element("id", "new").click()
+    wait_for(lambda: conversation_titles(page) == ["New conversation", "Alpha one"])
+    assert page.find_elements("css selector", ".message") == []
+    talk(page, "Beta")
+    assert conversation_titles(page) == ["Beta", "Alpha one"]
+    beta = roles_and_texts(page)
+    page.refresh()
+    wait_for(lambda: page.find_element("id", "model").text == server.engine.info.model_id)
+    assert conversation_titles(page) == ["Beta", "Alpha one"] and roles_and_texts(page) == beta  # the one shown
+    assert "6 tokens" in replies(page)[0].find_element("class name", "stats").text  # with its figures
+    page.find_elements("css selector", "#conversations button")[1].click()
+    wait_for(lambda: roles_and_texts(page) == alpha)
+    shown = [m.text for m in page.find_elements("css selector", ".message .content")]
+    assert shown[0] == "Alpha one" and shown[2] == "Alpha two" and len(shown) == 4
+    current = page.find_element("css selector", "#conversations button[aria-current]")
+    assert current.text == "Alpha one"
+    fill(page, max_tokens=6, ignore_eos=True)  # settings are not kept
+    talk(page, "Alpha three")  # the conversation goes on with its history
+    sent = page.execute_script("return history.slice(0, 4).map(m => m.content)")
+    assert sent == [text for _, text in alpha]
+
+
+def test_switching_conversations_stops_a_reply_and_keeps_it_where_it_belongs(page, server):
+    start_a_long_reply(page)
+    page.find_element("id", "new").click()
+    assert_aborted(server)
+    wait_for(lambda: conversation_titles(page) == ["New conversation", "Tell me a very long story"])
+    page.find_elements("css selector", "#conversations button")[1].click()
+    wait_for(lambda: len(replies(page)) == 1)
+    assert "stopped" in replies(page)[0].find_element("class name", "stats").text
+    assert [r for r, _ in roles_and_texts(page)] == ["user", "assistant"]

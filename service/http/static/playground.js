@@ -6,9 +6,14 @@
 
 const $ = (id) => document.getElementById(id);
 const NUMBER_SETTINGS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed"];
-const history = []; // the conversation without the system prompt: {role, content, stats}
+// Conversations are kept in the browser (localStorage): [{id, title, messages}], the shown one is `current`.
+const STORE = "ovserve.playground";
+let conversations = [];
+let current = null;
+let history = []; // current.messages: the conversation without the system prompt, {role, content, stats}
 let controller = null; // the reply in progress
-let conversation = 0; // counts Clears: a reply that ends after one belongs to no conversation
+let running = null; // its promise
+let clears = 0; // counts Clears: a reply that ends after one belongs to no conversation
 const RETRY_MS = 2000; // while the model loads (503) or the server cannot be reached
 const FIELDS = { max_new_tokens: "max_tokens" }; // the server's names for settings whose field is named otherwise
 
@@ -66,6 +71,60 @@ function render() {
   $("log").replaceChildren();
   history.forEach((_, index) => addMessage(index));
   toBottom();
+  save();
+}
+
+// Stores every conversation that has messages, and the one shown; then lists them.
+function save() {
+  const first = history.find((message) => message.role === "user");
+  current.title = first ? first.content.slice(0, 60) : "New conversation";
+  conversations = conversations.filter((c) => c === current || c.messages.length);
+  const kept = conversations.map((c) => ({ ...c, messages: c.messages.filter((m) => m.content) }));
+  try {
+    localStorage.setItem(STORE, JSON.stringify({ current: current.id, conversations: kept }));
+  } catch {
+    // storage full or turned off: the conversations live as long as the page
+  }
+  const items = conversations.map((c) => {
+    const item = document.createElement("li");
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = c.title;
+    button.title = c.title;
+    if (c === current) button.setAttribute("aria-current", "true");
+    button.addEventListener("click", () => show(c));
+    item.append(button);
+    return item;
+  });
+  $("conversations").replaceChildren(...items);
+}
+
+function load() {
+  let stored = null;
+  try {
+    stored = JSON.parse(localStorage.getItem(STORE));
+  } catch {
+    // nothing stored, or not readable: start afresh
+  }
+  conversations = stored && Array.isArray(stored.conversations) ? stored.conversations : [];
+  show(conversations.find((c) => c.id === (stored && stored.current)) || newConversation());
+}
+
+function newConversation() {
+  return { id: `${Date.now()}-${Math.random().toString(36).slice(2, 8)}`, title: "", messages: [] };
+}
+
+// Shows another conversation; a reply still streaming stops first and is kept where it belongs.
+async function show(conversation) {
+  if (controller) {
+    controller.abort();
+    await running;
+  }
+  if (!conversations.includes(conversation)) conversations.unshift(conversation);
+  current = conversation;
+  history = conversation.messages;
+  clearErrors();
+  render();
 }
 
 // The view follows a streaming reply only while the user is at the bottom: once they scroll up to read, it stays.
@@ -144,13 +203,14 @@ function send() {
   $("message").value = "";
   history.push({ role: "user", content: text });
   addMessage(history.length - 1);
-  reply();
+  save();
+  running = reply();
 }
 
 // Streams the model's reply to the conversation so far (which ends with the user's message).
 async function reply() {
   clearErrors();
-  const mine = conversation;
+  const mine = clears;
   const system = $("system").value.trim();
   const turns = history.map(({ role, content }) => ({ role, content }));
   const messages = (system ? [{ role: "system", content: system }] : []).concat(turns);
@@ -203,12 +263,13 @@ async function reply() {
     controller = null;
     setBusy(false);
   }
-  if (mine !== conversation) return; // cleared while it streamed: not part of the new conversation
+  if (mine !== clears) return; // cleared while it streamed: not part of the new conversation
   const follow = atBottom();
   view.stats.textContent = describe(run);
   if (follow) toBottom();
   if (text) {
     entry.stats = view.stats.textContent;
+    save();
   } else {
     history.length -= 1; // nothing came back: the user's message goes back to the composer, to be sent again
     const { content } = history.pop();
@@ -255,7 +316,7 @@ function edit(box, index) {
     history.length = index;
     history.push({ role: "user", content: text });
     render();
-    reply();
+    running = reply();
   });
 }
 
@@ -274,7 +335,7 @@ $("log").addEventListener("click", (event) => {
   } else if (button.dataset.action === "regenerate") {
     history.length = index; // the last reply goes; the conversation before it is asked again
     box.remove();
-    reply();
+    running = reply();
   } else {
     edit(box, index);
   }
@@ -311,11 +372,13 @@ $("message").addEventListener("keydown", (event) => {
 });
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("clear").addEventListener("click", () => {
-  conversation += 1;
+  clears += 1;
   if (controller) controller.abort(); // the reply in progress stops and stays out of the next conversation
   history.length = 0;
-  $("log").replaceChildren();
+  render();
 });
+$("new").addEventListener("click", () => history.length && show(newConversation()));
 $("token").addEventListener("change", showModel);
 $("settings").addEventListener("input", clearErrors);
+load();
 showModel();
