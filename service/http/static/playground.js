@@ -46,7 +46,7 @@ function addMessage(index) {
   label.textContent = role;
   const content = document.createElement("div");
   content.className = "content";
-  content.textContent = text;
+  showText(content, role, text);
   const stats = document.createElement("div");
   stats.className = "stats";
   stats.textContent = figures || "";
@@ -125,6 +125,16 @@ async function show(conversation) {
   history = conversation.messages;
   clearErrors();
   render();
+}
+
+// Replies as markdown, through marked and then DOMPurify, when both loaded (make playground-libs); else as text.
+function showText(content, role, text) {
+  if (role === "assistant" && window.marked && window.DOMPurify) {
+    content.classList.add("markdown");
+    content.innerHTML = DOMPurify.sanitize(marked.parse(text));
+  } else {
+    content.textContent = text;
+  }
 }
 
 // The view follows a streaming reply only while the user is at the bottom: once they scroll up to read, it stays.
@@ -245,7 +255,8 @@ async function reply() {
           run.chunks += 1;
           text += choice.delta.content;
           const follow = atBottom();
-          entry.content = view.content.textContent = text;
+          entry.content = text;
+          showText(view.content, "assistant", text);
           if (follow) toBottom();
         }
         if (choice.finish_reason) run.finish = "finished: " + choice.finish_reason;
