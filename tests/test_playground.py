@@ -185,7 +185,10 @@ def test_an_error_shows_in_view_next_to_the_setting_it_names(small_window, serve
     # the message that failed is back in the composer and out of the conversation
     assert page.find_element("id", "message").get_attribute("value") == "Hello there"
     assert page.find_elements("css selector", ".message") == [] and page.execute_script("return history.length") == 0
-    fill(page, max_tokens=3)  # editing the setting takes its error away; the message goes through
+    # an error naming no setting (here an element outside the settings) is shown above the conversation alone
+    page.execute_script("clearErrors(); showError('no such model', 'model'); showError('bad', 'messages[0].content')")
+    assert notice.text == "bad" and page.find_elements("css selector", ".field-error") == []
+    fill(page, max_tokens=3)  # editing a setting takes the errors away; the message goes through
     assert page.find_elements("css selector", ".field-error") == [] and not notice.is_displayed()
     page.find_element("id", "send").click()
     wait_for(lambda: replies(page) and replies(page)[-1].find_element("class name", "stats").text)

@@ -188,11 +188,10 @@ function describe(run) {
 
 // An error goes above the conversation, where it is always in view, and next to the setting it names.
 function showError(message, param) {
-  const name = FIELDS[param] || param;
-  const field = name ? document.getElementById(name) : null;
+  const field = param ? $("settings").querySelector("#" + CSS.escape(FIELDS[param] || param)) : null;
   $("notice").textContent = field ? `${field.closest("label").firstChild.textContent.trim()}: ${message}` : message;
   $("notice").hidden = false;
-  if (!field || !field.closest("#settings")) return;
+  if (!field) return;
   const note = document.createElement("div");
   note.className = "field-error";
   note.textContent = message;
