@@ -9,7 +9,7 @@ RUNTIME   := $(VENV)/.installed-runtime
 CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 
-.PHONY: install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -24,6 +24,7 @@ $(RUNTIME): pyproject.toml
 	@echo "== 1/3 the serving runtime: OpenVINO, gRPC, tokenizers, llguidance, starlette (about 0.4 GB, no torch)"
 	$(PIP) install -e .
 	$(MAKE) proto
+	$(MAKE) playground-libs
 	touch $@
 
 $(CONVERTER): $(RUNTIME)
@@ -40,6 +41,11 @@ $(STAMP): $(CONVERTER)
 		"(about 0.5 GB)"
 	$(PIP) install -e '.[convert,dev]'
 	touch $@
+
+# The playground's markdown renderer and sanitizer, pinned npm packages fetched into a git-ignored folder
+# (scripts/playground_libs.sh); without npm, the playground shows replies as plain text.
+playground-libs:
+	bash scripts/playground_libs.sh
 
 # Generated gRPC code lives in service/api and is regenerated from proto/ (tests check it matches).
 proto:
