@@ -35,7 +35,7 @@ from statistics import median
 from typing import Any
 
 from bench import run, workers
-from service.core.config import EngineConfig
+from service.core.config import INFERENCE_PRECISIONS, EngineConfig
 from service.engine import GenerationRequest
 
 HERE = Path(__file__).resolve().parent
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--our-precision",
-        choices=("f32", "bf16", "f16"),
+        choices=INFERENCE_PRECISIONS,
         help="ovserve's --inference-precision (default: its own default)",
     )
     p.add_argument(
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--genai-precision",
-        choices=("f32", "bf16", "f16"),
+        choices=INFERENCE_PRECISIONS,
         help="genai's INFERENCE_PRECISION_HINT (default: the plugin's, bf16 on CPUs with AVX512_BF16); f32 on "
         "both sides stands for a CPU without bf16",
     )

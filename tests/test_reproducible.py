@@ -14,7 +14,8 @@ import pytest
 from service.client import Client
 from service.core.config import EngineConfig
 from service.core.params import SamplingParams
-from service.engine import Engine, GenerationRequest
+from service.engine import Engine
+from tests.support.engine import collect
 from tests.support.servers import TIMEOUT, Running, base_config, free_port
 
 QUESTIONS = [
@@ -44,9 +45,7 @@ def others(n: int) -> list[list[int]]:
 
 
 async def reply(engine: Engine, prompt: list[int], params: SamplingParams, salt: str = "") -> list[int]:
-    tokens: list[int] = []
-    async for out in engine.generate(GenerationRequest(prompt, params, cache_salt=salt)):
-        tokens += out.token_ids
+    tokens, _, _ = await collect(engine, prompt, params, cache_salt=salt)
     return tokens
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from service.core.params import SPECULATION_MODES
 
+INFERENCE_PRECISIONS = ("f32", "bf16", "f16")
+
 
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A dataclass field carrying its command-line help (and allowed values) in its metadata."""
@@ -38,7 +40,7 @@ class EngineConfig:
         "precision of the model's activations. Replies are reproducible in f32 only: in bf16 the plugin's matmuls "
         "round a row by how many rows share its step. On CPUs with AVX512_BF16 or AMX, bf16 ran long prompt "
         "chunks 1.35-1.75x faster while int8 models decoded 1.3-1.5x faster in f32",
-        ("f32", "bf16", "f16"),
+        INFERENCE_PRECISIONS,
     )
     dq_group_size: int | None = setting(
         None,
@@ -118,8 +120,8 @@ class EngineConfig:
             ),
             (self.kernel_cache_shapes >= 1, "kernel_cache_shapes must be at least 1"),
             (
-                self.inference_precision in ("f32", "bf16", "f16"),
-                "inference_precision must be one of f32, bf16, f16",
+                self.inference_precision in INFERENCE_PRECISIONS,
+                f"inference_precision must be one of {', '.join(INFERENCE_PRECISIONS)}",
             ),
             (self.speculation in SPECULATION_MODES, f"speculation must be one of {', '.join(SPECULATION_MODES)}"),
             (self.speculative_tokens >= 0, "speculative_tokens must be >= 0"),
