@@ -66,6 +66,7 @@ class Pool:
     # client's deadline (grpc-timeout) is what bounds a request, not the proxy.
     idle_timeout_s: int = 600
     retries: int = 2
+    max_concurrent_retries: int = 1024  # Envoy: retries in flight per cluster (its default is 3)
     log_requests: bool = True
     envoy_admin_port: int = 9901
 
@@ -269,6 +270,10 @@ def _envoy_cluster(pool: Pool, name: str, policy: dict[str, Any], http: bool = F
                 **check,
             }
         ],
+        # Envoy lets a cluster run 3 retries at a time by default and fails the rest (retry overflow): a drain
+        # under a few streams needs more. Each request retries at most pool.retries times, so this bounds nothing
+        # that the requests' own limit does not.
+        "circuit_breakers": {"thresholds": [{"priority": "DEFAULT", "max_retries": pool.max_concurrent_retries}]},
         # A replica that refuses or resets a connection is ejected without waiting for the next check.
         "outlier_detection": {
             "consecutive_local_origin_failure": 1,

@@ -122,6 +122,9 @@ def test_envoy_routes_sessions_by_hash_and_retries_only_unstarted_requests(proto
         assert address["socket_address"]["address"] == "ovserve-headless.ovserve.svc.cluster.local"
         assert address["socket_address"]["port_value"] == replica_port
         (check,) = cluster["health_checks"]
+        # Envoy's default of 3 retries in flight per cluster failed requests of a drain under 8 streams
+        (limits,) = cluster["circuit_breakers"]["thresholds"]
+        assert limits["max_retries"] >= 256
         assert {k: v for k, v in check.items() if k.endswith("_health_check")} == health
         options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
         assert list(options["explicit_http_config"]) == [upstream]
