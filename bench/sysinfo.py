@@ -30,6 +30,7 @@ ISA_FLAGS = (
     "avx512f",
     "avx512bw",
     "avx512_vnni",
+    "avx512_bf16",
     "avx_vnni",
     "amx_tile",
     "amx_int8",

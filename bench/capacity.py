@@ -1,0 +1,512 @@
+"""python -m bench.capacity [--quick]: how many writing-assistant users one CPU server carries at a latency
+target, ovserve against its peers, in one run (`make bench`; the full sweep: `make bench-capacity-full`).
+
+Every system serves the same model files on the same cores as an OpenAI-compatible HTTP server, started once
+and driven by the same client (bench.chat_load) with the same sessions (bench.workload, from one seed). For
+each system the number of concurrent users rises (1, 2, 4, 8, ...) until the 95th percentile of a latency
+misses its target; the systems take turns level by level, the order reversed every round, so that drift on a
+shared machine hits all alike. A system carries a level when, over the turns sent after the last user arrived:
+
+- time to first token of ordinary turns (edits and writing, the document already in the conversation), p95;
+- time to first token of turns that paste a document (500-1,500 tokens, their own target: on 2 cores its
+  prefill alone takes seconds in every system), p95;
+- the reply's pace, (last token - first token) / (tokens - 1) per reply, p95;
+
+are within their targets (TARGETS, below, for SmolLM2 on 2 cores) and no turn failed. The capacity is the
+largest level carried. Also recorded per level: output tokens/s, prompt tokens computed and reused (where the
+server reports them), the peak resident memory of the server's process tree, latency percentiles, and what
+each system does with the OpenAI `prediction` field that edit turns carry (--no-prediction leaves it out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench import replicas, run, sysinfo
+from bench.chat_load import ChatClient, as_dicts, probe_prediction, run_level, served_model
+from bench.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+THREADS = 2
+KV_CACHE_GB = 1  # every system's KV budget: ovserve and genai in GiB; llama-server in tokens (LLAMA_CONTEXT)
+LLAMA_CONTEXT = 65536  # f16 K and V: ~1.5 GB for SmolLM2 (llama.cpp's default cache type)
+
+
+@dataclass(frozen=True)
+class Targets:
+    """p95 targets, chosen for SmolLM2-135M on 2 cores: a reply starts within 2 s, a pasted document is read
+    within 8 s (1,500 tokens take 3-6 s alone here), and a reply streams at least ~7 tokens/s."""
+
+    ttft_s: float = 2.0
+    paste_ttft_s: float = 8.0
+    tpot_s: float = 0.150
+
+
+TARGETS = Targets()
+
+
+# -- the search ----------------------------------------------------------------------------------------------
+class Search:
+    """Users to try next for one system: up the ladder until a level is missed, then (refine) halving the gap
+    between the last level carried and the first missed until they are neighbours."""
+
+    def __init__(self, ladder: list[int], refine: bool) -> None:
+        self.ladder = sorted(set(ladder))
+        self.refine = refine
+        self.carried = 0  # the largest level carried so far
+        self.missed: int | None = None  # the smallest level missed so far
+        self.tried: list[tuple[int, bool]] = []
+
+    def next(self) -> int | None:
+        if self.missed is None:
+            higher = [n for n in self.ladder if n > self.carried]
+            return higher[0] if higher else None
+        if not self.refine or self.missed - self.carried <= 1:
+            return None
+        return (self.carried + self.missed) // 2
+
+    def record(self, users: int, carried: bool) -> None:
+        self.tried.append((users, carried))
+        if carried:
+            self.carried = max(self.carried, users)
+        else:
+            self.missed = users if self.missed is None else min(self.missed, users)
+
+    @property
+    def capacity(self) -> int:
+        return self.carried
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return replicas.percentile(values, q) if values else None
+
+
+def summarize(turns: list[dict], wall_s: float, targets: Targets = TARGETS) -> dict:
+    """A level's figures over its measured turns (not warm-up), and whether it met every target."""
+    measured = [t for t in turns if not t["warmup"]]
+    ok = [t for t in measured if t["status"] == "ok"]
+    ttft = [t["ttft_s"] for t in ok if t["kind"] != "paste" and t["ttft_s"] is not None]
+    paste = [t["ttft_s"] for t in ok if t["kind"] == "paste" and t["ttft_s"] is not None]
+    tpot = [t["tpot_s"] for t in ok if t["tpot_s"] is not None]
+    gaps = [g for t in ok for g in t["gaps_s"]]
+    reported = [t for t in ok if t["cached_tokens"] is not None]
+    p95 = {"ttft_s": percentile(ttft, 0.95), "paste_ttft_s": percentile(paste, 0.95), "tpot_s": percentile(tpot, 0.95)}
+    misses = [k for k, v in p95.items() if v is not None and v > getattr(targets, k)]
+    errors = len(measured) - len(ok)
+    return {
+        "turns": len(measured),
+        "warmup_turns": len(turns) - len(measured),
+        "errors": errors,
+        "error_samples": sorted({t["status"] for t in measured if t["status"] != "ok"})[:3],
+        "carried": bool(ok) and not misses and errors == 0,
+        "missed": misses + (["errors"] if errors else []) + ([] if ok else ["no turn measured"]),
+        "p95": p95,
+        "p50": {
+            "ttft_s": percentile(ttft, 0.5),
+            "paste_ttft_s": percentile(paste, 0.5),
+            "tpot_s": percentile(tpot, 0.5),
+        },
+        "p99_gap_s": percentile(gaps, 0.99),
+        "samples": {"ttft": len(ttft), "paste_ttft": len(paste), "tpot": len(tpot)},
+        "output_tokens_per_s": sum(t["completion_tokens"] or 0 for t in turns if t["status"] == "ok") / wall_s,
+        "prompt_tokens": sum(t["prompt_tokens"] or 0 for t in reported),
+        "prompt_tokens_reused": sum(t["cached_tokens"] for t in reported) if reported else None,
+        "accepted_prediction_tokens": sum(t["accepted_prediction_tokens"] or 0 for t in ok),
+        "wall_s": wall_s,
+    }
+
+
+# -- the systems ------------------------------------------------------------------------------------------------
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and its descendants (0 once it is gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+class PeakRss:
+    """The peak of tree_rss(pid), sampled every second on a thread, while in a `with` block."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, tree_rss(self.pid))
+            if self.stop.wait(1.0):
+                return
+
+    def __enter__(self) -> PeakRss:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, tree_rss(self.pid))
+
+
+@dataclass
+class System:
+    """One server as its users run it: how to start it, and what its turns carry."""
+
+    name: str
+    kind: str  # ovserve, genai, llama.cpp
+    settings: str  # what differs, in words, for the report
+    args: list[str] = field(default_factory=list)
+    session_header: bool = False
+    gguf: str | None = None
+    precision: str | None = None
+
+
+def systems(model: Path, quick: bool, with_llama: bool) -> list[System]:
+    out = [
+        System(
+            "ovserve",
+            "ovserve",
+            "speculation auto (prompt lookup), prefix cache with its disk tier, x-session-id",
+            ["--speculation", "auto"],
+            session_header=True,
+        ),
+        System("ovserve plain", "ovserve", "speculation off, prefix cache in RAM only, no session key"),
+        System(
+            "genai CB",
+            "genai",
+            "ContinuousBatchingPipeline, prefix caching on, OVMS's scheduler defaults; "
+            "activations at the plugin's default precision",
+        ),
+    ]
+    flags = set(sysinfo.machine()["isa_flags"])
+    if not flags & {"avx512_bf16", "amx_bf16"}:
+        out[-1].settings += " (f32 on this CPU: it has neither AVX512_BF16 nor AMX)"
+    elif not quick:
+        out.append(System("genai CB f32", "genai", "the same with f32 activations", precision="f32"))
+    if with_llama:
+        gguf = run.smol_gguf()
+        if gguf is not None:
+            out.append(
+                System(
+                    "llama-server Q4_1",
+                    "llama.cpp",
+                    f"the GGUF SmolLM2 ships as ({gguf.name}), "
+                    "continuous batching over parallel slots, unified f16 KV, prompt cache",
+                    gguf=str(gguf),
+                )
+            )
+            if not quick:
+                from bench import llama_server
+
+                q8 = llama_server.q8_0(gguf, THREADS)
+                out.append(
+                    System(
+                        "llama-server Q8_0",
+                        "llama.cpp",
+                        "the same weights requantized to Q8_0 (our IR's precision)",
+                        gguf=str(q8),
+                    )
+                )
+    return out
+
+
+class Served:
+    """A system's server process on a free port, its log in a file; `url` once it answers."""
+
+    def __init__(self, system: System, model: Path, work: Path, slots: int) -> None:
+        self.system = system
+        self.log = work / f"{system.name.replace(' ', '-')}.log"
+        self.port = replicas.free_port()
+        self.replica: replicas.Replica | None = None
+        if system.kind == "ovserve":
+            args = list(system.args)
+            if system.session_header:  # the recommended set: the disk tier too
+                args += ["--kv-disk-dir", str(work / "kv-disk")]
+            self.replica = replicas.Replica(model, self.log, THREADS, KV_CACHE_GB, *args, http_port=self.port)
+            self.proc = self.replica.proc
+            return
+        if system.kind == "genai":
+            command = [
+                sys.executable,
+                "-m",
+                "bench.genai_server",
+                "--model",
+                str(model),
+                "--port",
+                str(self.port),
+                "--kv-cache-gb",
+                str(KV_CACHE_GB),
+                "--threads",
+                str(THREADS),
+            ]
+            if system.precision:
+                command += ["--precision", system.precision]
+        else:
+            from bench import llama_server
+
+            command = llama_server.command(Path(system.gguf or ""), self.port, slots, THREADS, LLAMA_CONTEXT)
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout: float = 300) -> None:
+        if self.replica is not None:
+            self.replica.wait_serving(timeout)
+            return
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.system.name} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.system.name} not serving after {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+# -- one level -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    ladder: list[int]
+    refine: bool
+    duration_s: float
+    ramp_s: float
+    think_s: float
+    seed: int
+    prediction: bool
+    targets: Targets = TARGETS
+
+
+QUICK = Plan([1, 2, 4, 8], False, 40, 8, 3.0, 1, True)
+FULL = Plan([1, 2, 4, 8, 16, 32, 64], True, 180, 30, 8.0, 1, True)
+
+
+def measure(
+    url: str,
+    pid: int | None,
+    workload: Workload,
+    users: int,
+    plan: Plan,
+    prediction: bool,
+    session_header: bool,
+    model: str,
+) -> dict:
+    """One level against one server: its summary, peak memory and every turn."""
+
+    async def go() -> list:
+        client = ChatClient(url, prediction, session_header, model)
+        try:
+            return await run_level(client, workload, users, plan.duration_s, plan.ramp_s, plan.seed)
+        finally:
+            await client.close()
+
+    t0 = time.perf_counter()
+    if pid is None:
+        turns = as_dicts(asyncio.run(go()))
+        peak = None
+    else:
+        with PeakRss(pid) as rss:
+            turns = as_dicts(asyncio.run(go()))
+        peak = rss.peak
+    summary = summarize(turns, time.perf_counter() - t0, plan.targets)
+    return {"users": users, "summary": summary, "peak_rss_bytes": peak, "loadavg": os.getloadavg(), "turns": turns}
+
+
+def prepare(url: str, workload: Workload) -> tuple[str, str]:
+    """The model the server names, and what it does with `prediction` (asked twice: the first time warms the
+    server's shapes and caches up)."""
+
+    async def go() -> tuple[str, str]:
+        client = ChatClient(url, False, False)
+        try:
+            client.model = await served_model(client)
+            await probe_prediction(client, workload)
+            return client.model, await probe_prediction(client, workload)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def sweep(chosen: list[System], model: Path, plan: Plan, workload: Workload, work: Path, log=print) -> dict:
+    """Every system's search, level by level in alternating order; every server runs the whole time."""
+    slots = max(plan.ladder)
+    servers = {}
+    try:
+        for s in chosen:
+            servers[s.name] = Served(s, model, work, slots)
+        results: dict[str, dict] = {}
+        for s in chosen:
+            servers[s.name].wait()
+            model_id, prediction = prepare(servers[s.name].url, workload)
+            results[s.name] = {
+                **asdict(s),
+                "model_id": model_id,
+                "prediction": prediction,
+                "levels": [],
+                "idle_rss_bytes": tree_rss(servers[s.name].proc.pid),
+            }
+            log(f"{s.name}: serving; prediction {prediction}")
+        searches = {s.name: Search(plan.ladder, plan.refine) for s in chosen}
+        round_no = 0
+        while any(search.next() is not None for search in searches.values()):
+            order = chosen if round_no % 2 == 0 else chosen[::-1]
+            for s in order:
+                users = searches[s.name].next()
+                if users is None:
+                    continue
+                send_prediction = plan.prediction and results[s.name]["prediction"] != "refused"
+                level = measure(
+                    servers[s.name].url,
+                    servers[s.name].proc.pid,
+                    workload,
+                    users,
+                    plan,
+                    send_prediction,
+                    s.session_header,
+                    results[s.name]["model_id"],
+                )
+                searches[s.name].record(users, level["summary"]["carried"])
+                results[s.name]["levels"].append(level)
+                log(line(s.name, level))
+            round_no += 1
+        for s in chosen:
+            results[s.name]["capacity"] = searches[s.name].capacity
+            results[s.name]["tried"] = searches[s.name].tried
+        return results
+    finally:
+        for served in servers.values():
+            served.stop()
+
+
+def line(name: str, level: dict) -> str:
+    s = level["summary"]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1000 * v:.0f}"
+
+    return (
+        f"{name} @ {level['users']} users: {'carried' if s['carried'] else 'missed ' + ','.join(s['missed'])}; "
+        f"p95 ttft {ms(s['p95']['ttft_s'])} ms, paste {ms(s['p95']['paste_ttft_s'])} ms, "
+        f"pace {ms(s['p95']['tpot_s'])} ms; {s['output_tokens_per_s']:.1f} tok/s; {s['turns']} turns, "
+        f"{s['errors']} errors; load {level['loadavg'][0]:.1f}"
+    )
+
+
+def token_counter(model: Path):
+    from service.engine.model_files import ModelFiles
+    from service.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(ModelFiles.read(model).path)
+    return lambda text: len(tok.encode(text, add_special_tokens=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-int8")
+    p.add_argument("--quick", action="store_true", help="4 systems, 1-8 users, 40 s a level (a few minutes a system)")
+    p.add_argument("--systems", help="comma-separated names to run (default: all of the set)")
+    p.add_argument("--ladder", help="comma-separated user counts (default: 1,2,4,8 quick, 1,2,...,64 full)")
+    p.add_argument("--duration", type=float, help="seconds a level runs")
+    p.add_argument("--think", type=float, help="mean think time before a turn, seconds")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-prediction", action="store_true", help="edit turns carry no `prediction`")
+    p.add_argument("--no-llama", action="store_true", help="leave llama-server out")
+    p.add_argument("--build-llama", action="store_true", help="build llama-server first if missing (~12 min)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results-capacity")
+    p.add_argument("--report-only", action="store_true", help="rebuild REPORT.md and the plots from results.json")
+    a = p.parse_args(argv)
+    os.chdir(ROOT)
+    from bench import capacity_report, llama_server
+
+    if a.report_only:
+        capacity_report.write(json.loads((a.out / "results.json").read_text()), a.out)
+        return 0
+    plan = QUICK if a.quick else FULL
+    plan = Plan(
+        [int(x) for x in a.ladder.split(",")] if a.ladder else plan.ladder,
+        plan.refine,
+        a.duration or plan.duration_s,
+        min(plan.ramp_s, (a.duration or plan.duration_s) / 4),
+        plan.think_s if a.think is None else a.think,
+        a.seed,
+        not a.no_prediction,
+    )
+    if a.build_llama and not a.no_llama:
+        llama_server.build()
+    with_llama = not a.no_llama and llama_server.binary() is not None
+    chosen = systems(a.model, a.quick, with_llama)
+    if a.systems:
+        names = a.systems.split(",")
+        chosen = [s for s in chosen if s.name in names]
+    workload = Workload(plan.seed, token_counter(a.model), plan.think_s)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    print(
+        f"capacity: {', '.join(s.name for s in chosen)}; ladder {plan.ladder}; {plan.duration_s:.0f} s a level",
+        flush=True,
+    )
+    work = Path(tempfile.mkdtemp(prefix="capacity-"))
+    try:
+        results = sweep(chosen, a.model, plan, workload, work, lambda m: print(m, flush=True))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    record = {
+        "started": started,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": sysinfo.machine(),
+        "versions": sysinfo.versions(),
+        "model": str(a.model.relative_to(ROOT) if a.model.is_relative_to(ROOT) else a.model),
+        "quick": a.quick,
+        "plan": asdict(plan),
+        "threads": THREADS,
+        "kv_cache_gb": KV_CACHE_GB,
+        "llama_context": LLAMA_CONTEXT,
+        "llama_server": "built" if with_llama else "not built (python -m bench.llama_server build)",
+        "systems": results,
+    }
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(record, indent=1))
+    capacity_report.write(record, a.out)
+    print(f"wrote {a.out / 'results.json'}, {a.out / 'REPORT.md'} and plots", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
