@@ -263,7 +263,7 @@ def document(rng: random.Random, lang: str, tokens: int, count: Counter) -> list
     """Paragraphs adding up to about `tokens` (within the last paragraph's sentence), each editable in one reply."""
     paragraphs: list[str] = []
     used = 0
-    while tokens - used >= PARAGRAPH_TOKENS[0]:
+    while not paragraphs or tokens - used >= PARAGRAPH_TOKENS[0]:  # a short document is one paragraph
         want = min(rng.randint(*PARAGRAPH_TOKENS), tokens - used)
         text = paragraph(rng, lang, want, count)
         while count(text) > PARAGRAPH_TOKENS[1]:  # one long sentence too many: drop sentences from the end
@@ -345,20 +345,31 @@ def think_time(rng: random.Random, mean_s: float) -> float:
 class Workload:
     """Sessions from a seed. `count` gives a text's length in tokens for the model under test."""
 
-    def __init__(self, seed: int, count: Counter, think_s: float = 8.0) -> None:
+    def __init__(
+        self,
+        seed: int,
+        count: Counter,
+        think_s: float = 8.0,
+        document_tokens: tuple[int, int] = DOCUMENT_TOKENS,
+        reply_tokens: tuple[int, int] = REPLY_TOKENS,
+    ) -> None:
         self.seed = seed
         self.count = count
         self.think_s = think_s
+        self.document_tokens = document_tokens  # smaller in tests
+        self.reply_tokens = reply_tokens
         self.system_prompt = SYSTEM_PROMPT
 
     def session(self, number: int) -> Session:
         rng = random.Random(f"{self.seed}/{number}")
         lang = rng.choice(LANGS)
         # aimed inside the range by a paragraph's margin: the last paragraph may end a sentence short or over
-        aim = rng.randint(DOCUMENT_TOKENS[0] + PARAGRAPH_TOKENS[0], DOCUMENT_TOKENS[1] - PARAGRAPH_TOKENS[0])
+        low, high = self.document_tokens
+        margin = min(PARAGRAPH_TOKENS[0], (high - low) // 4)
+        aim = rng.randint(low + margin, high - margin)
         paragraphs = document(rng, lang, aim, self.count)
         doc = "\n\n".join(paragraphs)
-        turns = [Turn("paste", "summarize", PASTE[lang].format(doc=doc), rng.randint(*REPLY_TOKENS), None, 0.0)]
+        turns = [Turn("paste", "summarize", PASTE[lang].format(doc=doc), rng.randint(*self.reply_tokens), None, 0.0)]
         for _ in range(rng.randint(*FOLLOW_UP_TURNS)):
             turns.append(self.edit(rng, lang, paragraphs) if rng.random() < 0.6 else self.write(rng, lang, paragraphs))
         return Session(f"s{self.seed}-{number}", lang, self.count(doc), tuple(turns))
@@ -369,14 +380,14 @@ class Workload:
         if task == "fix":
             text = typos(rng, text, lang)
         # the reply is about as long as the paragraph (a translation may run longer: the budget caps it)
-        budget = min(REPLY_TOKENS[1], max(REPLY_TOKENS[0], self.count(text) + 20))
+        budget = min(self.reply_tokens[1], max(self.reply_tokens[0], self.count(text) + 20))
         return Turn("edit", task, EDITS[lang][task].format(p=text), budget, text, think_time(rng, self.think_s))
 
     def write(self, rng: random.Random, lang: str, paragraphs: list[str]) -> Turn:
         task = rng.choice(list(WRITES[lang]))
         topic = rng.choice(GRAMMAR[lang][0]["place" if task != "draft" else "people"])
         text = WRITES[lang][task].format(t=topic, n=rng.randint(1, len(paragraphs)))
-        return Turn("write", task, text, rng.randint(*REPLY_TOKENS), None, think_time(rng, self.think_s))
+        return Turn("write", task, text, rng.randint(*self.reply_tokens), None, think_time(rng, self.think_s))
 
 
 def arrivals(rng: random.Random, users: int, ramp_s: float) -> list[float]:

@@ -1,0 +1,174 @@
+"""bench.capacity: the seeded workload, the capacity search and a level's verdict without a model; one short
+level against our server on SmolLM2 through the benchmark's own HTTP client."""
+
+import asyncio
+import random
+import re
+import time
+
+import pytest
+
+from bench import capacity, capacity_report
+from bench.chat_load import ChatClient, cached_of, probe_prediction, served_model
+from bench.workload import DOCUMENT_TOKENS, REPLY_TOKENS, Workload, arrivals
+
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def count(text: str) -> int:
+    """A stand-in tokenizer: a CJK character, a run of letters or digits, or a punctuation mark is a token."""
+    return len(re.findall(r"[\u4e00-\u9fff]|[A-Za-z0-9]+|[^\sA-Za-z0-9\u4e00-\u9fff]", text))
+
+
+def test_sessions_are_a_function_of_seed_and_number():
+    a, b = Workload(3, count), Workload(3, count)
+    assert [a.session(i) for i in range(5)] == [b.session(i) for i in range(5)]
+    assert a.session(0) != a.session(1)
+    assert Workload(4, count).session(0) != a.session(0)
+
+
+def test_sessions_paste_a_document_then_edit_and_write_within_the_ranges():
+    w = Workload(1, count, think_s=5.0)
+    sessions = [w.session(i) for i in range(60)]
+    assert {s.lang for s in sessions} == {"en", "zh"}
+    kinds = set()
+    for s in sessions:
+        assert DOCUMENT_TOKENS[0] <= s.document_tokens <= DOCUMENT_TOKENS[1], s.name
+        assert 3 <= len(s.turns) <= 6
+        assert s.turns[0].kind == "paste" and s.turns[0].think_s == 0
+        assert all(t.kind != "paste" for t in s.turns[1:])
+        for t in s.turns:
+            kinds.add((t.kind, t.task))
+            assert REPLY_TOKENS[0] <= t.max_tokens <= REPLY_TOKENS[1]
+            assert bool(CJK.search(t.text)) == (s.lang == "zh")
+            if t.kind == "edit":
+                assert t.prediction and t.prediction in t.text  # the user's own paragraph
+            else:
+                assert t.prediction is None
+            if t.kind != "paste":
+                assert 5.0 / 4 <= t.think_s <= 5.0 * 4
+    tasks = {task for _, task in kinds}
+    assert {"rewrite", "fix", "translate"} <= tasks and tasks & {"continue", "expand", "draft"}
+    assert count(w.system_prompt) > 200  # a shared prefix of a few hundred tokens
+
+
+def test_users_arrive_over_the_ramp():
+    times = arrivals(random.Random(1), 8, 30.0)
+    assert times == arrivals(random.Random(1), 8, 30.0)
+    assert times[0] == 0 and times == sorted(times) and len(times) == 8
+    assert arrivals(random.Random(1), 3, 0) == [0, 0, 0]
+
+
+def walk(search: capacity.Search, carries) -> list[int]:
+    tried = []
+    while (users := search.next()) is not None:
+        tried.append(users)
+        search.record(users, carries(users))
+    return tried
+
+
+def test_search_climbs_the_ladder_until_a_level_is_missed():
+    search = capacity.Search([1, 2, 4, 8, 16], refine=False)
+    assert walk(search, lambda n: n <= 5) == [1, 2, 4, 8]
+    assert search.capacity == 4
+
+
+def test_search_refines_between_the_last_carried_and_the_first_missed():
+    search = capacity.Search([1, 2, 4, 8, 16], refine=True)
+    assert walk(search, lambda n: n <= 5) == [1, 2, 4, 8, 6, 5]
+    assert search.capacity == 5
+
+
+def test_search_capacity_is_zero_when_one_user_is_too_many_and_the_top_when_all_are_carried():
+    none = capacity.Search([1, 2, 4], refine=True)
+    assert walk(none, lambda n: False) == [1] and none.capacity == 0
+    every = capacity.Search([4, 1, 2], refine=True)
+    assert walk(every, lambda n: True) == [1, 2, 4] and every.capacity == 4
+
+
+def turn(kind="edit", ttft=0.5, tpot=0.05, warmup=False, status="ok", cached=None):
+    return {
+        "kind": kind, "status": status, "warmup": warmup, "ttft_s": ttft, "tpot_s": tpot, "gaps_s": [tpot],
+        "prompt_tokens": 1000, "cached_tokens": cached, "completion_tokens": 100, "accepted_prediction_tokens": None,
+    }  # fmt: skip
+
+
+def test_a_level_is_carried_when_every_p95_meets_its_target_over_measured_turns():
+    targets = capacity.Targets(ttft_s=1.0, paste_ttft_s=5.0, tpot_s=0.1)
+    turns = [turn() for _ in range(19)] + [turn("paste", ttft=4.0), turn(ttft=30, warmup=True)]
+    s = capacity.summarize(turns, 10.0, targets)
+    assert s["carried"] and s["turns"] == 20 and s["warmup_turns"] == 1
+    assert s["p95"]["paste_ttft_s"] == 4.0 and s["samples"]["paste_ttft"] == 1
+    assert s["output_tokens_per_s"] == pytest.approx(21 * 100 / 10.0)
+    assert s["prompt_tokens_reused"] is None  # no turn reported reuse
+    slow_paste = capacity.summarize([*turns, turn("paste", ttft=9.0), turn("paste", ttft=9.0)], 10.0, targets)
+    assert slow_paste["missed"] == ["paste_ttft_s"]
+    slow_pace = capacity.summarize([turn(tpot=0.2) for _ in range(20)], 10.0, targets)
+    assert slow_pace["missed"] == ["tpot_s"]
+
+
+def test_a_failed_turn_or_no_measured_turn_misses_the_level():
+    targets = capacity.Targets()
+    failed = capacity.summarize([turn(), turn(status="http 500: boom")], 1.0, targets)
+    assert not failed["carried"] and failed["missed"] == ["errors"] and failed["error_samples"] == ["http 500: boom"]
+    empty = capacity.summarize([turn(warmup=True)], 1.0, targets)
+    assert not empty["carried"] and "no turn measured" in empty["missed"]
+    reused = capacity.summarize([turn(cached=600), turn(cached=400)], 1.0, targets)
+    assert reused["prompt_tokens_reused"] == 1000 and reused["prompt_tokens"] == 2000
+
+
+def test_reused_prompt_tokens_come_from_openai_usage_or_llama_timings():
+    assert cached_of({"prompt_tokens_details": {"cached_tokens": 7}}, {"cache_n": 3}) == 7
+    assert cached_of({"prompt_tokens": 9}, {"cache_n": 3}) == 3
+    assert cached_of({"prompt_tokens": 9}, None) is None
+
+
+def test_report_leads_with_users_carried(tmp_path):
+    level = {
+        "users": 2, "peak_rss_bytes": 7e8, "loadavg": [1.0, 1.0, 1.0],
+        "summary": capacity.summarize([turn(cached=500), turn("paste")], 5.0),
+    }  # fmt: skip
+    results = {
+        "started": "s", "finished": "f", "quick": True, "threads": 2, "model": "m", "llama_server": "not built",
+        "machine": {"cpu_model": "cpu", "usable_cpus": 2, "isa_flags": ["avx2"]}, "versions": {},
+        "plan": {"ladder": [1, 2], "refine": False, "duration_s": 5, "ramp_s": 1, "think_s": 1, "seed": 1,
+                 "prediction": True, "targets": vars(capacity.TARGETS)},
+        "systems": {"a": {"settings": "x", "prediction": "refused", "capacity": 2, "levels": [level]}},
+    }  # fmt: skip
+    capacity_report.write(results, tmp_path)
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "| a | **2** |" in text and "50% of 1,000" in text and "avx2" in text
+    assert (tmp_path / "ttft.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # 49 s on a 2-core host loaded ~8x by other work; a paste of ~400 tokens dominates
+def test_one_level_against_our_server(smol_server, smollm2_ir):
+    """Two users through the benchmark's client: every turn streamed, counted and timed; the workload's
+    lengths hold with SmolLM2's own tokenizer."""
+    tokens = capacity.token_counter(smollm2_ir)
+    real = Workload(1, tokens)
+    assert all(500 <= real.session(i).document_tokens <= 1500 for i in range(4))
+    workload = Workload(1, tokens, think_s=0.2, document_tokens=(40, 80), reply_tokens=(6, 12))
+    url = smol_server.url
+
+    async def model_and_prediction() -> tuple[str, str]:
+        client = ChatClient(url, False, False)
+        try:
+            client.model = await served_model(client)
+            return client.model, await probe_prediction(client, workload)
+        finally:
+            await client.close()
+
+    model, prediction = asyncio.run(model_and_prediction())
+    assert prediction in ("refused", "accepted")  # our server never ignores a field it does not serve
+    plan = capacity.Plan([2], False, duration_s=3.0, ramp_s=0.5, think_s=0.2, seed=1, prediction=True)
+    started = time.monotonic()
+    level = capacity.measure(url, None, workload, 2, plan, prediction == "accepted", True, model)
+    assert time.monotonic() - started < 120
+    turns = level["turns"]
+    assert turns and all(t["status"] == "ok" for t in turns), [t["status"] for t in turns]
+    assert {t["kind"] for t in turns} >= {"paste"}
+    for t in turns:
+        assert t["ttft_s"] > 0 and t["prompt_tokens"] > 0 and t["cached_tokens"] == 0  # this server: no prefix cache
+        assert 6 <= t["completion_tokens"] <= 12  # ignore_eos: the turn's max_tokens
+    assert level["summary"]["turns"] + level["summary"]["warmup_turns"] == len(turns)
