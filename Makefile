@@ -9,7 +9,7 @@ RUNTIME   := $(VENV)/.installed-runtime
 CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 
-.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-capacity-full llama-server bench-engines bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -113,7 +113,23 @@ typecheck: $(STAMP)
 # What CI runs: style, types, then every test.
 check: lint typecheck test
 
-bench: $(STAMP) $(MODEL)/manifest.json
+# The headline: writing-assistant users one server carries at a latency target, ovserve against openvino-genai's
+# continuous batching and llama.cpp's llama-server, one run (bench/capacity.py; report in bench/results-capacity).
+# The quick set takes about 10 minutes; the full sweep (1-64 users refined, 3 min a level, every variant) hours.
+LLAMA_SERVER := models/llamacpp/bin/llama-server
+bench: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
+	$(PY) -m bench.capacity --quick --model $(MODEL) --out bench/results-capacity
+
+bench-capacity-full: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
+	$(PY) -m bench.capacity --model $(MODEL) --out bench/results-capacity
+
+# llama.cpp's server, built once from the source vendored in llama-cpp-python's sdist (~12 min on 2 cores).
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER): | $(STAMP)
+	$(PY) -m bench.llama_server build
+
+# The engine-level suite: throughput against genai, optimum-intel and PyTorch, gRPC overhead, load, tuning.
+bench-engines: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench --quick --out bench/results
 
 # ovserve and genai alternating in one process: the comparison to trust on a shared machine.

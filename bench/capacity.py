@@ -314,7 +314,7 @@ class Plan:
     targets: Targets = TARGETS
 
 
-QUICK = Plan([1, 2, 4, 8], False, 40, 8, 3.0, 1, True)
+QUICK = Plan([1, 2, 4, 8], False, 30, 6, 3.0, 1, True)
 FULL = Plan([1, 2, 4, 8, 16, 32, 64], True, 180, 30, 8.0, 1, True)
 
 
@@ -441,11 +441,14 @@ def token_counter(model: Path):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-int8")
-    p.add_argument("--quick", action="store_true", help="4 systems, 1-8 users, 40 s a level (a few minutes a system)")
+    p.add_argument("--quick", action="store_true", help="4 systems, 1-8 users, 30 s a level (about 10 minutes in all)")
     p.add_argument("--systems", help="comma-separated names to run (default: all of the set)")
     p.add_argument("--ladder", help="comma-separated user counts (default: 1,2,4,8 quick, 1,2,...,64 full)")
     p.add_argument("--duration", type=float, help="seconds a level runs")
     p.add_argument("--think", type=float, help="mean think time before a turn, seconds")
+    p.add_argument("--ttft", type=float, default=TARGETS.ttft_s, help="p95 first-token target, ordinary turns (s)")
+    p.add_argument("--paste-ttft", type=float, default=TARGETS.paste_ttft_s, help="the same, pasting turns (s)")
+    p.add_argument("--pace", type=float, default=TARGETS.tpot_s, help="p95 time per output token target (s)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-prediction", action="store_true", help="edit turns carry no `prediction`")
     p.add_argument("--no-llama", action="store_true", help="leave llama-server out")
@@ -468,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.think_s if a.think is None else a.think,
         a.seed,
         not a.no_prediction,
+        Targets(a.ttft, a.paste_ttft, a.pace),
     )
     if a.build_llama and not a.no_llama:
         llama_server.build()

@@ -68,17 +68,19 @@ def ms(v: float | None) -> str:
 
 
 def table(results: dict) -> list[str]:
+    """One row a system: the figures at its capacity, or at its first level when it carried none."""
     lines = [
-        "| system | users carried | output tok/s there | p95 first token: ordinary / paste (ms) | p95 pace (ms/token) "
-        "| prompt tokens reused | peak RSS (MB) | `prediction` |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | users carried | figures at | output tok/s | p95 first token: ordinary / paste (ms) "
+        "| p95 time per token (ms) | prompt tokens reused | peak RSS (MB) | `prediction` |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for system, r in results["systems"].items():
-        lv = at_capacity(r)
+        lv = at_capacity(r) or min(r["levels"], key=lambda lv: lv["users"], default=None)
         if lv is None:
-            lines.append(f"| {system} | 0 | - | - | - | - | - | {r['prediction']} |")
+            lines.append(f"| {system} | {r.get('capacity', 0)} | - | - | - | - | - | - | {r['prediction']} |")
             continue
         s = lv["summary"]
+        where = f"{lv['users']} users" + ("" if s["carried"] else ", missed")
         reused = (
             "not reported"
             if s["prompt_tokens_reused"] is None
@@ -86,7 +88,7 @@ def table(results: dict) -> list[str]:
         )
         rss = "-" if lv["peak_rss_bytes"] is None else f"{lv['peak_rss_bytes'] / 1e6:.0f}"
         lines.append(
-            f"| {system} | **{r['capacity']}** | {s['output_tokens_per_s']:.1f} | {ms(s['p95']['ttft_s'])} / "
+            f"| {system} | **{r['capacity']}** | {where} | {s['output_tokens_per_s']:.1f} | {ms(s['p95']['ttft_s'])} / "
             f"{ms(s['p95']['paste_ttft_s'])} | {ms(s['p95']['tpot_s'])} | {reused} | {rss} | {r['prediction']} |"
         )
     return lines

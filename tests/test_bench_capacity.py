@@ -137,7 +137,7 @@ def test_report_leads_with_users_carried(tmp_path):
     }  # fmt: skip
     capacity_report.write(results, tmp_path)
     text = (tmp_path / "REPORT.md").read_text()
-    assert "| a | **2** |" in text and "50% of 1,000" in text and "avx2" in text
+    assert "| a | **2** | 2 users |" in text and "50% of 1,000" in text and "avx2" in text
     assert (tmp_path / "ttft.png").stat().st_size > 0
 
 
