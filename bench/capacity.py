@@ -178,6 +178,7 @@ class System:
     settings: str  # what differs, in words, for the report
     args: list[str] = field(default_factory=list)
     session_header: bool = False
+    disk_tier: bool = False  # ovserve: the prefix cache's disk tier, in a folder of its own
     gguf: str | None = None
     precision: str | None = None
 
@@ -187,11 +188,13 @@ def systems(model: Path, quick: bool, with_llama: bool) -> list[System]:
         System(
             "ovserve",
             "ovserve",
-            "speculation auto (prompt lookup), prefix cache with its disk tier, x-session-id",
+            "recommended: speculation auto (prompt lookup), prefix cache with its disk tier, x-session-id; "
+            "deterministic steps of 80 tokens (the default)",
             ["--speculation", "auto"],
             session_header=True,
+            disk_tier=True,
         ),
-        System("ovserve plain", "ovserve", "speculation off, prefix cache in RAM only, no session key"),
+        System("ovserve plain", "ovserve", "defaults: speculation off, prefix cache in RAM only, no session key"),
         System(
             "genai CB",
             "genai",
@@ -199,6 +202,16 @@ def systems(model: Path, quick: bool, with_llama: bool) -> list[System]:
             "activations at the plugin's default precision",
         ),
     ]
+    if not quick:  # what reproducible replies cost this traffic: prompts computed in fewer, larger steps
+        fast = System(
+            "ovserve fast steps",
+            "ovserve",
+            "the recommended set with --no-deterministic --max-num-batched-tokens 512 (replies not reproducible)",
+            ["--speculation", "auto", "--no-deterministic", "--max-num-batched-tokens", "512"],
+            session_header=True,
+            disk_tier=True,
+        )
+        out.insert(1, fast)
     flags = set(sysinfo.machine()["isa_flags"])
     if not flags & {"avx512_bf16", "amx_bf16"}:
         out[-1].settings += " (f32 on this CPU: it has neither AVX512_BF16 nor AMX)"
@@ -241,8 +254,8 @@ class Served:
         self.replica: replicas.Replica | None = None
         if system.kind == "ovserve":
             args = list(system.args)
-            if system.session_header:  # the recommended set: the disk tier too
-                args += ["--kv-disk-dir", str(work / "kv-disk")]
+            if system.disk_tier:
+                args += ["--kv-disk-dir", str(work / f"kv-disk-{self.log.stem}")]
             self.replica = replicas.Replica(model, self.log, THREADS, KV_CACHE_GB, *args, http_port=self.port)
             self.proc = self.replica.proc
             return
@@ -454,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-llama", action="store_true", help="leave llama-server out")
     p.add_argument("--build-llama", action="store_true", help="build llama-server first if missing (~12 min)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results-capacity")
+    p.add_argument("--note", help="a line for the report's head, e.g. how busy the host was")
     p.add_argument("--report-only", action="store_true", help="rebuild REPORT.md and the plots from results.json")
     a = p.parse_args(argv)
     os.chdir(ROOT)
@@ -498,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": sysinfo.versions(),
         "model": str(a.model.relative_to(ROOT) if a.model.is_relative_to(ROOT) else a.model),
         "quick": a.quick,
+        "note": a.note,
         "plan": asdict(plan),
         "threads": THREADS,
         "kv_cache_gb": KV_CACHE_GB,

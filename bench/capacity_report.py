@@ -80,7 +80,7 @@ def table(results: dict) -> list[str]:
             lines.append(f"| {system} | {r.get('capacity', 0)} | - | - | - | - | - | - | {r['prediction']} |")
             continue
         s = lv["summary"]
-        where = f"{lv['users']} users" + ("" if s["carried"] else ", missed")
+        where = f"{lv['users']} user{'' if lv['users'] == 1 else 's'}" + ("" if s["carried"] else ", missed")
         reused = (
             "not reported"
             if s["prompt_tokens_reused"] is None
@@ -124,6 +124,7 @@ def write(results: dict, out: Path) -> None:
     lines = [
         "# Writing-assistant users carried at a latency target (`python -m bench.capacity`)",
         "",
+        *([f"**{results['note']}**", ""] if results.get("note") else []),
         f"{results['started']} to {results['finished']}; {m['cpu_model']}, {m['usable_cpus']} usable CPUs, CPU flags "
         f"{' '.join(m['isa_flags'])}; {results['threads']} inference threads each; openvino {v.get('openvino')}, "
         f"openvino-genai {v.get('openvino-genai')}; llama-server {results['llama_server']}.",
