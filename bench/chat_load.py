@@ -155,12 +155,20 @@ async def probe_prediction(client: ChatClient, workload: Workload) -> str:
     return "accepted" if outcome[True].accepted_prediction_tokens is not None else "ignored"
 
 
+def session_number(users: int, user: int, nth: int) -> int:
+    """The same sessions for every system at a level: user k's j-th session."""
+    return users * 100_000 + user * 100 + nth
+
+
 async def run_level(
     client: ChatClient, workload: Workload, users: int, duration_s: float, ramp_s: float, seed: int
 ) -> list[TurnResult]:
     """`users` users talking to the server for `duration_s` seconds; every turn's result."""
     starts = arrivals(random.Random(f"{seed}/arrivals/{users}"), users, ramp_s)
     measured_from = starts[-1]
+    for k in range(users):  # the sessions users are likely to reach, made before the clock starts
+        for j in range(3):
+            workload.session(session_number(users, k, j))
     results: list[TurnResult] = []
     t0 = time.perf_counter()
 
@@ -171,7 +179,7 @@ async def run_level(
         await asyncio.sleep(start)
         j = 0
         while now() < duration_s:
-            session = workload.session(users * 100_000 + k * 100 + j)
+            session = workload.session(session_number(users, k, j))
             j += 1
             messages = [{"role": "system", "content": workload.system_prompt}]
             for turn in session.turns:

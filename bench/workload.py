@@ -359,8 +359,15 @@ class Workload:
         self.document_tokens = document_tokens  # smaller in tests
         self.reply_tokens = reply_tokens
         self.system_prompt = SYSTEM_PROMPT
+        self.made: dict[int, Session] = {}
 
     def session(self, number: int) -> Session:
+        """Session `number`, made once (tokenizing as it grows takes ~25 ms, too long inside a timed level)."""
+        if number not in self.made:
+            self.made[number] = self.make(number)
+        return self.made[number]
+
+    def make(self, number: int) -> Session:
         rng = random.Random(f"{self.seed}/{number}")
         lang = rng.choice(LANGS)
         # aimed inside the range by a paragraph's margin: the last paragraph may end a sentence short or over
