@@ -172,3 +172,25 @@ def test_one_level_against_our_server(smol_server, smollm2_ir):
         assert t["ttft_s"] > 0 and t["prompt_tokens"] > 0 and t["cached_tokens"] == 0  # this server: no prefix cache
         assert 6 <= t["completion_tokens"] <= 12  # ignore_eos: the turn's max_tokens
     assert level["summary"]["turns"] + level["summary"]["warmup_turns"] == len(turns)
+
+
+@pytest.mark.slow  # loads openvino-genai's pipeline in a server of its own
+def test_genai_behind_the_same_client(smollm2_ir, tmp_path):
+    """genai's pipeline behind bench.genai_server answers the benchmark's client as the other servers do:
+    streamed text, usage with exactly max_tokens under ignore_eos, `prediction` ignored."""
+    workload = Workload(2, capacity.token_counter(smollm2_ir), 0.2, document_tokens=(40, 80), reply_tokens=(6, 12))
+    served = capacity.Served(capacity.System("genai CB", "genai", "test"), smollm2_ir, tmp_path, slots=2)
+    try:
+        served.wait(300)
+        model, prediction = capacity.prepare(served.url, workload)
+        assert prediction == "ignored"
+        plan = capacity.Plan([1], False, duration_s=2.0, ramp_s=0.0, think_s=0.2, seed=2, prediction=True)
+        level = capacity.measure(served.url, served.proc.pid, workload, 1, plan, True, False, model)
+    finally:
+        served.stop()
+    turns = level["turns"]
+    assert turns and all(t["status"] == "ok" for t in turns), [t["status"] for t in turns]
+    for t in turns:
+        assert t["ttft_s"] > 0 and t["prompt_tokens"] > 0 and 6 <= t["completion_tokens"] <= 12
+        assert t["cached_tokens"] is None  # the pipeline does not say what it reused
+    assert level["peak_rss_bytes"] > 100e6
