@@ -362,9 +362,11 @@ def measure(
     return {"users": users, "summary": summary, "peak_rss_bytes": peak, "loadavg": os.getloadavg(), "turns": turns}
 
 
-def prepare(url: str, workload: Workload) -> tuple[str, str]:
+def prepare(url: str, workload: Workload, log=print) -> tuple[str, str]:
     """The model the server names, and what it does with `prediction` (asked twice: the first time warms the
-    server's shapes and caches up)."""
+    server's shapes and caches up). A dropped connection is tried again twice: llama-server once closed the
+    first connections right after its health check passed (seen twice, not reproduced)."""
+    import httpx
 
     async def go() -> tuple[str, str]:
         client = ChatClient(url, False, False)
@@ -375,7 +377,15 @@ def prepare(url: str, workload: Workload) -> tuple[str, str]:
         finally:
             await client.close()
 
-    return asyncio.run(go())
+    for attempt in range(3):
+        try:
+            return asyncio.run(go())
+        except httpx.TransportError as exc:
+            if attempt == 2:
+                raise
+            log(f"{url}: {type(exc).__name__}: {exc}; trying again in 5 s")
+            time.sleep(5)
+    raise AssertionError("unreachable")
 
 
 def sweep(chosen: list[System], model: Path, plan: Plan, workload: Workload, work: Path, log=print) -> dict:
@@ -388,7 +398,7 @@ def sweep(chosen: list[System], model: Path, plan: Plan, workload: Workload, wor
         results: dict[str, dict] = {}
         for s in chosen:
             servers[s.name].wait()
-            model_id, prediction = prepare(servers[s.name].url, workload)
+            model_id, prediction = prepare(servers[s.name].url, workload, log)
             results[s.name] = {
                 **asdict(s),
                 "model_id": model_id,
