@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -278,7 +279,11 @@ class Served:
         else:
             from bench import llama_server
 
-            command = llama_server.command(Path(system.gguf or ""), self.port, slots, THREADS, LLAMA_CONTEXT)
+            # port 0: llama-server binds a port of the kernel's choosing (its log names it). A port picked here
+            # and bound later could meet another SO_REUSEPORT listener (cpp-httplib and gRPC both set it) and
+            # share connections with it silently: seen as dropped requests on a busy host.
+            self.port = 0
+            command = llama_server.command(Path(system.gguf or ""), 0, slots, THREADS, LLAMA_CONTEXT)
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
@@ -296,6 +301,12 @@ class Served:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.system.name} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            if self.port == 0:
+                bound = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log.read_text(errors="replace"))
+                if bound is None:
+                    time.sleep(0.5)
+                    continue
+                self.port = int(bound.group(1))
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -364,8 +375,7 @@ def measure(
 
 def prepare(url: str, workload: Workload, log=print) -> tuple[str, str]:
     """The model the server names, and what it does with `prediction` (asked twice: the first time warms the
-    server's shapes and caches up). A dropped connection is tried again twice: llama-server once closed the
-    first connections right after its health check passed (seen twice, not reproduced)."""
+    server's shapes and caches up). A dropped connection is tried again twice."""
     import httpx
 
     async def go() -> tuple[str, str]:
@@ -513,8 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="capacity-"))
     try:
         results = sweep(chosen, a.model, plan, workload, work, lambda m: print(m, flush=True))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        print(f"the servers' logs are in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     record = {
         "started": started,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
