@@ -336,10 +336,11 @@ class Plan:
     seed: int
     prediction: bool
     targets: Targets = TARGETS
+    min_turns: int = 0  # a level runs on past its duration (up to 3x) until this many turns are measured
 
 
-QUICK = Plan([1, 2, 4, 8], False, 30, 6, 3.0, 1, True)
-FULL = Plan([1, 2, 4, 8, 16, 32, 64], True, 180, 30, 8.0, 1, True)
+QUICK = Plan([1, 2, 4, 8], False, 30, 6, 3.0, 1, True, min_turns=8)
+FULL = Plan([1, 2, 4, 8, 16, 32, 64], True, 180, 30, 8.0, 1, True, min_turns=20)
 
 
 def measure(
@@ -357,7 +358,7 @@ def measure(
     async def go() -> list:
         client = ChatClient(url, prediction, session_header, model)
         try:
-            return await run_level(client, workload, users, plan.duration_s, plan.ramp_s, plan.seed)
+            return await run_level(client, workload, users, plan.duration_s, plan.ramp_s, plan.seed, plan.min_turns)
         finally:
             await client.close()
 
@@ -479,6 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ladder", help="comma-separated user counts (default: 1,2,4,8 quick, 1,2,...,64 full)")
     p.add_argument("--duration", type=float, help="seconds a level runs")
     p.add_argument("--think", type=float, help="mean think time before a turn, seconds")
+    p.add_argument(
+        "--min-turns",
+        type=int,
+        help="turns a level measures at least, running up to 3x its duration (8 quick, 20 full)",
+    )
     p.add_argument("--ttft", type=float, default=TARGETS.ttft_s, help="p95 first-token target, ordinary turns (s)")
     p.add_argument("--paste-ttft", type=float, default=TARGETS.paste_ttft_s, help="the same, pasting turns (s)")
     p.add_argument("--pace", type=float, default=TARGETS.tpot_s, help="p95 time per output token target (s)")
@@ -506,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         a.seed,
         not a.no_prediction,
         Targets(a.ttft, a.paste_ttft, a.pace),
+        plan.min_turns if a.min_turns is None else a.min_turns,
     )
     if a.build_llama and not a.no_llama:
         llama_server.build()

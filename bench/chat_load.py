@@ -6,7 +6,8 @@ tokens a turn), `stream_options.include_usage`, the conversation's whole history
 client sends it), and optionally an `x-session-id` header and, on edit turns, `prediction`.
 
 A level is `users` users arriving over `ramp_s` seconds (a Poisson process); each runs sessions one after
-another, pausing its think time before each turn, and starts no new turn after `duration_s`. Turns sent
+another, pausing its think time before each turn, and starts no new turn after `duration_s` (or, while fewer
+than `min_turns` turns are measured, after three times that: a slow server still gets a sample). Turns sent
 before the last user arrived are warm-up: they are kept, marked, and left out of the level's figures.
 """
 
@@ -161,7 +162,13 @@ def session_number(users: int, user: int, nth: int) -> int:
 
 
 async def run_level(
-    client: ChatClient, workload: Workload, users: int, duration_s: float, ramp_s: float, seed: int
+    client: ChatClient,
+    workload: Workload,
+    users: int,
+    duration_s: float,
+    ramp_s: float,
+    seed: int,
+    min_turns: int = 0,
 ) -> list[TurnResult]:
     """`users` users talking to the server for `duration_s` seconds; every turn's result."""
     starts = arrivals(random.Random(f"{seed}/arrivals/{users}"), users, ramp_s)
@@ -175,16 +182,22 @@ async def run_level(
     def now() -> float:
         return time.perf_counter() - t0
 
+    def over() -> bool:
+        if now() < duration_s:
+            return False
+        measured = sum(not r.warmup for r in results)
+        return measured >= min_turns or now() >= 3 * duration_s
+
     async def user(k: int, start: float) -> None:
         await asyncio.sleep(start)
         j = 0
-        while now() < duration_s:
+        while not over():
             session = workload.session(session_number(users, k, j))
             j += 1
             messages = [{"role": "system", "content": workload.system_prompt}]
             for turn in session.turns:
                 await asyncio.sleep(turn.think_s)
-                if now() >= duration_s:
+                if over():
                     return
                 messages.append({"role": "user", "content": turn.text})
                 result = TurnResult(session.name, turn.kind, turn.task, round(now(), 3), now() < measured_from)

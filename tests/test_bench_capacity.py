@@ -9,7 +9,7 @@ import time
 import pytest
 
 from bench import capacity, capacity_report
-from bench.chat_load import ChatClient, cached_of, probe_prediction, served_model
+from bench.chat_load import ChatClient, cached_of, probe_prediction, run_level, served_model
 from bench.workload import DOCUMENT_TOKENS, REPLY_TOKENS, Workload, arrivals
 
 CJK = re.compile(r"[\u4e00-\u9fff]")
@@ -57,6 +57,42 @@ def test_users_arrive_over_the_ramp():
     assert times == arrivals(random.Random(1), 8, 30.0)
     assert times[0] == 0 and times == sorted(times) and len(times) == 8
     assert arrivals(random.Random(1), 3, 0) == [0, 0, 0]
+
+
+class EchoClient:
+    """Stands in for a server: each turn takes `seconds` and replies with a fixed text."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.conversations: list[list[dict]] = []
+
+    async def turn(self, messages, turn, result, session_id) -> str:
+        self.conversations.append(list(messages))
+        await asyncio.sleep(self.seconds)
+        result.ttft_s, result.completion_tokens = self.seconds, turn.max_tokens
+        return "reply"
+
+
+def test_a_level_sends_each_user_the_same_sessions_with_history_and_stops_on_time():
+    workload = Workload(1, count, think_s=0.01, document_tokens=(40, 80), reply_tokens=(6, 12))
+    runs = []
+    for _ in range(2):
+        client = EchoClient(0.02)
+        turns = asyncio.run(run_level(client, workload, 2, 0.3, 0.05, seed=1))
+        runs.append((sorted((t.session, t.kind, t.task) for t in turns), client))
+        assert turns and max(t.sent_s for t in turns) < 0.3  # no turn started after the duration
+    assert runs[0][0] == runs[1][0]  # every system gets the same sessions
+    for messages in runs[0][1].conversations:  # the system prompt, then user and assistant turns in order
+        assert messages[0]["role"] == "system" and messages[-1]["role"] == "user"
+        assert [m["role"] for m in messages[1:]] == ["user", "assistant"] * (len(messages) // 2 - 1) + ["user"]
+
+
+def test_a_level_runs_on_until_it_has_measured_enough_turns_but_not_past_three_durations():
+    workload = Workload(1, count, think_s=0.01, document_tokens=(40, 80), reply_tokens=(6, 12))
+    turns = asyncio.run(run_level(EchoClient(0.05), workload, 2, 0.2, 0.0, seed=1, min_turns=12))
+    assert sum(not t.warmup for t in turns) >= 12 and max(t.sent_s for t in turns) > 0.2
+    capped = asyncio.run(run_level(EchoClient(0.05), workload, 1, 0.2, 0.0, seed=1, min_turns=10**6))
+    assert max(t.sent_s for t in capped) < 0.6 + 0.05
 
 
 def walk(search: capacity.Search, carries) -> list[int]:
