@@ -121,7 +121,7 @@ bench: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
 	$(PY) -m bench.capacity --quick --model $(MODEL) --out bench/results-capacity
 
 bench-capacity-full: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
-	$(PY) -m bench.capacity --model $(MODEL) --out bench/results-capacity
+	$(PY) -m bench.capacity --model $(MODEL) --out bench/results-capacity/full
 
 # llama.cpp's server, built once from the source vendored in llama-cpp-python's sdist (~12 min on 2 cores).
 llama-server: $(LLAMA_SERVER)
