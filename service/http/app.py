@@ -39,7 +39,7 @@ from service.http.host_check import HostCheck, is_loopback
 from service.metrics import Metrics, TokenClock
 from service.serving.auth import bearer_matches
 from service.serving.call import Call
-from service.serving.prompt import encode
+from service.serving.prompt import encode, reasons
 from service.serving.state import Serving
 
 log = logging.getLogger("service.http")
@@ -129,7 +129,10 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
 def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
     """The request's input as token ids, and the field it came from (for errors)."""
     if parsed.messages is not None:
-        return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools), "messages"
+        thinking = parsed.enable_thinking
+        return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools, enable_thinking=thinking), (
+            "messages"
+        )
     if isinstance(parsed.prompt, str):
         return encode(tokenizer, "prompt", text=parsed.prompt), "prompt"
     return encode(tokenizer, "prompt", token_ids=parsed.prompt), "prompt"
@@ -263,7 +266,9 @@ class Api:
         parsed = parse(body, engine.info)
         check_model(parsed.model, engine.info)
         ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)  # a long prompt takes seconds
-        return engine, parsed, parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len)
+        reasoning = reasons(engine.tokenizer, parsed.messages is not None, parsed.enable_thinking)
+        asked = parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len, reasoning)
+        return engine, parsed, asked
 
     async def events(
         self,

@@ -67,10 +67,13 @@ COMMON = (
 )
 CHAT_FIELDS = frozenset(
     (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice")
-    + ("parallel_tool_calls",)
+    + ("parallel_tool_calls", "chat_template_kwargs")
 )
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt"))
-MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
+MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "reasoning"))
+# vLLM's chat_template_kwargs, variables for the chat template: only those whose meaning this server knows
+# (any other would let a request reach into a template's internals, such as its tools or messages)
+TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool}
 # include_obfuscation pads streamed chunks against a side channel of OpenAI's own network; accepted, no effect
 STREAM_OPTIONS = frozenset(("include_usage", "include_obfuscation"))
 RESPONSE_FORMAT_FIELDS = frozenset(("type", "json_schema"))
@@ -101,13 +104,14 @@ class ApiRequest:
     response_format: ResponseFormat | None = None
     tools: Tools | None = None
     max_tokens_given: bool = False  # the client set max_tokens (or max_completion_tokens)
+    enable_thinking: bool | None = None  # chat_template_kwargs.enable_thinking; None: the template's default
 
     def generation_request(
-        self, ids: list[int], field: str, label: str | None, max_model_len: int
+        self, ids: list[int], field: str, label: str | None, max_model_len: int, reasoning: bool = False
     ) -> GenerationRequest:
         """What the engine is asked, with the input encoded (serving.prompt) and the request's id. A prompt and
         max_tokens that together exceed the context are refused, as OpenAI and vLLM refuse them; without
-        max_tokens the reply may fill the context."""
+        max_tokens the reply may fill the context. reasoning: the reply may reason (serving.prompt.reasons)."""
         wanted = self.params.max_new_tokens
         if self.max_tokens_given and len(ids) + wanted > max_model_len:
             raise InvalidArgument(
@@ -123,6 +127,7 @@ class ApiRequest:
             cache_salt=self.cache_salt,
             response_format=self.response_format,
             tools=self.tools,
+            reasoning=reasoning,
         )
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
@@ -157,7 +162,24 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> ApiRequest:
         top_logprobs=(top or 0) if logprobs else None,
         names=names,
     )
-    return replace(call, tools=tools(fields))
+    return replace(call, tools=tools(fields), enable_thinking=template_kwargs(fields).get("enable_thinking"))
+
+
+def template_kwargs(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs: an object of the known variables, each of its type."""
+    raw = fields.get("chat_template_kwargs")
+    if raw is None:
+        return {}
+    given = {k: v for k, v in _object(raw, "chat_template_kwargs").items() if v is not None}
+    for name in given:
+        if name not in TEMPLATE_KWARGS:
+            known = ", ".join(TEMPLATE_KWARGS)
+            raise InvalidArgument(f"chat_template_kwargs.{name[:64]}", f"unknown variable; supported: {known}")
+    for name, kind in TEMPLATE_KWARGS.items():
+        value = given.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise InvalidArgument(f"chat_template_kwargs.{name}", f"must be {_KINDS[kind]}, got {_kind(value)}")
+    return given
 
 
 def parse_completion(body: Mapping[str, Any], info: ModelInfo) -> ApiRequest:
@@ -298,6 +320,10 @@ def messages(raw: Any) -> list[dict[str, Any]]:
         for name in ("tool_call_id", "name"):
             if _str(m, name, where) is not None:
                 message[name] = m[name]
+        if _str(m, "reasoning", where) is not None:
+            if role != "assistant":
+                raise InvalidArgument(f"{where}.reasoning", "only assistant messages carry reasoning")
+            message["reasoning_content"] = m["reasoning"]  # Qwen3's templates call it so
         if "tool_calls" in m:
             message["tool_calls"] = _message_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
@@ -315,7 +341,10 @@ def _message_calls(raw: Any, where: str) -> list[dict[str, Any]]:
         name = _str(function, "name", f"{at}.function") or ""
         calls.append(
             template_call(
-                _str(c, "id", at) or "", name, _str(function, "arguments", f"{at}.function") or "", f"{at}.function"
+                _str(c, "id", at) or "",
+                name,
+                _str(function, "arguments", f"{at}.function") or "",
+                f"{at}.function",
             )
         )
     return calls
