@@ -10,6 +10,8 @@ from typing import Any
 from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, ToolCallDelta, Usage
 from service.core.stats import ModelInfo
 from service.core.tools import joined_calls
+from service.http import sse
+from service.http.errors import error_body
 from service.http.openai_in import ApiRequest
 
 # -- domain -> response ------------------------------------------------------------------------------------
@@ -40,6 +42,16 @@ def usage(u: Usage) -> dict[str, Any]:
 class Reply:
     """Builds the response objects of one call: whole (non-streaming) or as stream chunks.
     token_text turns a token id into its text, for logprobs."""
+
+    closing: tuple[bytes, ...] = (sse.DONE,)  # a stream ends with data: [DONE]
+
+    @staticmethod
+    def encode(chunk: dict[str, Any]) -> bytes:
+        return sse.event(chunk)
+
+    @staticmethod
+    def error_event(exc: Exception) -> dict[str, Any]:
+        return error_body(exc)
 
     def __init__(self, call: ApiRequest, model: str, request_id: str, token_text: Callable[[int], str]) -> None:
         self.call, self.model, self.token_text = call, model, token_text
