@@ -87,7 +87,11 @@ def test_the_hybrid_template_closes_the_block_in_the_prompt_when_thinking_is_off
     )
     # <think>, "\n\n", </think>, "\n\n": the prompt grew by the closed block
     assert off.usage.prompt_tokens == on.usage.prompt_tokens + 4
-    assert off.choices[0].message.content != on.choices[0].message.content or on.choices[0].message.content
+    # thinking off: the reply is never split; on: split exactly when the model opened a block
+    assert getattr(off.choices[0].message, "reasoning", None) is None
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    reasoned = getattr(on.choices[0].message, "reasoning", None)
+    assert (on.usage.completion_tokens_details.reasoning_tokens > 0) == bool(reasoned)
     wait_idle(running.engine)
 
 
