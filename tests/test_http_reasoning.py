@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
-from service.client import Client
+from service.client import Client, main
 from tests.support.servers import TIMEOUT, wait_idle
 from tests.support.thinking import THINKING, opened_template, serve
 
@@ -76,6 +76,17 @@ def test_enable_thinking_false_answers_at_once(opened):
     with Client(running.target) as client:
         whole = client.generate(messages=ASK, max_new_tokens=12, enable_thinking=False, timeout=TIMEOUT)
     assert whole.text == message.content and whole.reasoning_text == "" and whole.usage.reasoning_tokens == 0
+
+
+def test_the_client_cli_prints_the_reasoning_to_stderr_and_can_switch_it_off(opened, capsys):
+    running, _ = opened
+    ask = ["What is 2 + 2?", "--target", running.target, "--max-new-tokens", "6", "--usage"]
+    assert main(ask) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "" and "(6 reasoning)" in err and len(err.split("\n[")[0].strip()) > 0
+    assert main([*ask, "--no-thinking"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "(0 reasoning)" in err
 
 
 def test_the_hybrid_template_closes_the_block_in_the_prompt_when_thinking_is_off(hybrid):
