@@ -311,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, help="deadline in seconds")
     p.add_argument("--token-file", help="file holding the bearer token")
     p.add_argument("--ca-cert", help="CA certificate (PEM) of a TLS server")
+    p.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="switch a reasoning model's thinking off (enable_thinking=false); otherwise its reasoning goes to stderr",
+    )
     p.add_argument("--usage", action="store_true", help="print token counts and timings to stderr at the end")
     args = p.parse_args(argv)
     text = " ".join(args.message) if args.message else sys.stdin.read()
@@ -327,15 +332,20 @@ def main(argv: list[str] | None = None) -> int:
         name: getattr(args, name)
         for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
     }
+    if args.no_thinking:
+        options["enable_thinking"] = False
     try:
         with Client(args.target, token, certs, args.timeout) as client:
             for chunk in client.stream(**inputs, stop=args.stop, session_id=args.session_id, **options):
+                if chunk.reasoning_text:  # the reasoning apart from the answer on stdout
+                    print(chunk.reasoning_text, end="", file=sys.stderr, flush=True)
                 print(chunk.text, end="", flush=True)
                 if chunk.finish_reason and args.usage:
                     u, t = chunk.usage, chunk.timings
                     print(
                         f"\n[{pb.FinishReason.Name(chunk.finish_reason)}] prompt {u.prompt_tokens} "
-                        f"(cached {u.cached_prompt_tokens}), completion {u.completion_tokens} tokens; "
+                        f"(cached {u.cached_prompt_tokens}), completion {u.completion_tokens} tokens "
+                        f"({u.reasoning_tokens} reasoning); "
                         f"ttft {t.time_to_first_token_seconds:.3f} s, total {t.total_seconds:.3f} s",
                         file=sys.stderr,
                     )

@@ -20,6 +20,7 @@ class Usage:
     cached_prompt_tokens: int  # not computed: found in the RAM prefix cache or restored from disk
     disk_prompt_tokens: int = 0  # of the cached ones, those restored from the disk tier
     accepted_draft_tokens: int = 0  # of the completion tokens, speculative drafts the model kept
+    reasoning_tokens: int = 0  # of the completion tokens, those of the reasoning block (its tags included)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class RequestOutput:
     usage: Usage | None = None
     timings: Timings | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()  # increments of the reply's tool calls (requests with tools)
+    reasoning: str = ""  # the reasoning these tokens completed (requests whose replies may reason)
 
     @property
     def finished(self) -> bool:

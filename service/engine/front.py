@@ -21,6 +21,7 @@ from pathlib import Path
 from service.core.config import EngineConfig
 from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
 from service.core.outputs import RequestOutput
+from service.core.reasoning import ReasoningSplitter, after_reasoning, starts_inside
 from service.core.request import Request, check_cache_salt, check_label, check_prompt
 from service.core.stats import EngineStats, ModelInfo
 from service.core.tools import CLOSE_TAG, OPEN_TAG
@@ -94,17 +95,24 @@ class Engine:
         """Stream the outputs of one request (see GenerationRequest); the last has finish_reason, usage and
         timings. Closing the stream early aborts the request. A response_format's grammar is compiled off the
         caller's event loop (a large schema takes milliseconds). With active tools the reply's calls come back
-        parsed, as increments in each output's tool_calls."""
+        parsed, as increments in each output's tool_calls. A reply that may reason (asked.reasoning) has its
+        reasoning block returned apart, in each output's reasoning, and a format applies after the block."""
         response_format, call_ids = asked.response_format, None
         if asked.tools is not None and asked.tools.active:
             if response_format is not None:
                 raise InvalidArgument("response_format", "cannot be combined with tools")
             call_ids = self.tool_call_ids()
             response_format = asked.tools.response_format(*call_ids)
-        tool_schemas = asked.tools.schemas() if call_ids is not None and asked.tools is not None else []
+        checks = asked.tools.schemas() if call_ids is not None and asked.tools is not None else []
+        think_ids = self.tokenizer.think_ids if asked.reasoning else None
+        inside = think_ids is not None and starts_inside(asked.prompt_token_ids, *think_ids)
+        if think_ids is not None and response_format is not None:
+            # the format alone first, so that its errors are its own; then with the reasoning before it
+            checks = [response_format] if call_ids is None else checks
+            response_format = after_reasoning(response_format, *think_ids, inside)
         matcher = None
         if response_format is not None:
-            matcher = await asyncio.to_thread(self._matcher, response_format, tool_schemas)
+            matcher = await asyncio.to_thread(self._matcher, response_format, checks)
         request = self._make_request(asked, matcher)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.id] = stream
@@ -115,6 +123,7 @@ class Engine:
             asked.params,
             self.tokenizer.decode,
             call_ids,
+            ReasoningSplitter(self.tokenizer.decode, *think_ids, inside) if think_ids is not None else None,
         )
         ended = False  # the engine is done with the request: finished, failed or told to stop
         try:
@@ -136,14 +145,15 @@ class Engine:
             if not ended:
                 self.core.abort(request.id)
 
-    def _matcher(self, fmt: ResponseFormat, tool_schemas: list[ResponseFormat]) -> Matcher:
-        """The format's matcher. Where a reply with tools does not compile, each tool's schema is compiled alone,
-        so that the error names the tool whose parameters are at fault rather than the whole grammar."""
+    def _matcher(self, fmt: ResponseFormat, parts: list[ResponseFormat]) -> Matcher:
+        """The format's matcher. Where a grammar built from parts (each tool's schema, a format after reasoning)
+        does not compile, each part is compiled alone, so that the error names the part at fault (the tool whose
+        parameters are wrong) and says what is wrong with it rather than with the whole grammar."""
         try:
             return self.grammars.matcher(fmt)
         except InvalidArgument:
-            for schema in tool_schemas:
-                self.grammars.compile(schema)
+            for part in parts:
+                self.grammars.compile(part)
             raise
 
     def tool_call_ids(self) -> tuple[int, int]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -36,10 +36,12 @@ from service.errors import InvalidArgument
 from service.http import openai_in, openai_out, sse
 from service.http.errors import CrossOrigin, NotFound, TooLarge, Unauthenticated, error_body, status_of
 from service.http.host_check import HostCheck, is_loopback
+from service.http.responses_in import parse_responses
+from service.http.responses_out import ResponseReply
 from service.metrics import Metrics, TokenClock
 from service.serving.auth import bearer_matches
 from service.serving.call import Call
-from service.serving.prompt import encode
+from service.serving.prompt import encode, reasons
 from service.serving.state import Serving
 
 log = logging.getLogger("service.http")
@@ -129,7 +131,10 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
 def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
     """The request's input as token ids, and the field it came from (for errors)."""
     if parsed.messages is not None:
-        return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools), "messages"
+        thinking = parsed.enable_thinking
+        return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools, enable_thinking=thinking), (
+            "messages"
+        )
     if isinstance(parsed.prompt, str):
         return encode(tokenizer, "prompt", text=parsed.prompt), "prompt"
     return encode(tokenizer, "prompt", token_ids=parsed.prompt), "prompt"
@@ -202,6 +207,25 @@ class EventStream(StreamingResponse):
 Parse = Callable[[Mapping[str, Any], ModelInfo], openai_in.ApiRequest]
 
 
+class Reply(Protocol):
+    """The objects of one call's reply: whole, or as stream events (openai_out.Reply, responses_out)."""
+
+    closing: tuple[bytes, ...]  # sent after the last event
+
+    def response(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]: ...
+
+    def first_chunks(self) -> list[dict[str, Any]]: ...
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]: ...
+
+    def encode(self, chunk: dict[str, Any]) -> bytes: ...
+
+    def error_event(self, exc: Exception) -> dict[str, Any]: ...
+
+
+MakeReply = Callable[[Any, str, str, Callable[[int], str]], Reply]
+
+
 class Api:
     def __init__(
         self, serving: Serving, metrics: Metrics, token: str | None, max_body_bytes: int, allowed_origins: str = ""
@@ -225,14 +249,19 @@ class Api:
     async def completions(self, request: Request) -> Response:
         return await self.generate(request, "completions", openai_in.parse_completion)
 
-    async def generate(self, request: Request, endpoint: str, parse: Parse) -> Response:
+    async def responses(self, request: Request) -> Response:
+        return await self.generate(request, "responses", parse_responses, ResponseReply)
+
+    async def generate(
+        self, request: Request, endpoint: str, parse: Parse, make_reply: MakeReply = openai_out.Reply
+    ) -> Response:
         call = Call(self.serving, self.metrics, "http", endpoint, generation=True)
         try:
             engine, parsed, asked = await self.prepare(request, call, parse)
         except Exception as exc:
             return refuse(call, exc)
         stream = engine.generate(asked)
-        reply = openai_out.Reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
+        reply = make_reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
         clock = TokenClock(self.metrics, call.started)
         try:
             outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))
@@ -262,23 +291,28 @@ class Api:
         engine = self.serving.require_engine()
         parsed = parse(body, engine.info)
         check_model(parsed.model, engine.info)
-        ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)  # a long prompt takes seconds
-        return engine, parsed, parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len)
+        try:
+            ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)  # a long prompt takes seconds
+            reasoning = reasons(engine.tokenizer, parsed.messages is not None, parsed.enable_thinking)
+            asked = parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len, reasoning)
+        except InvalidArgument as exc:  # named as this request calls the field (a Responses input item)
+            raise parsed.renamed(exc) from None
+        return engine, parsed, asked
 
     async def events(
         self,
         call: Call,
-        reply: openai_out.Reply,
+        reply: Reply,
         out: RequestOutput,
         stream: AsyncIterator[RequestOutput],
         clock: TokenClock,
     ) -> AsyncGenerator[bytes, None]:
         for chunk in reply.first_chunks():
-            yield sse.event(chunk)
+            yield reply.encode(chunk)
         try:
             while True:
                 for chunk in reply.chunks(out):
-                    yield sse.event(chunk)
+                    yield reply.encode(chunk)
                 if out.finished:
                     call.output = out
                     break
@@ -286,8 +320,9 @@ class Api:
                 clock.tick(out)
         except Exception as exc:  # the status line is sent: the error goes in the stream, as OpenAI's do
             call.error = exc
-            yield sse.event(error_body(exc))
-        yield sse.DONE
+            yield reply.encode(reply.error_event(exc))
+        for end in reply.closing:
+            yield end
 
     def stream_done(self, call: Call, stream: AsyncGenerator[RequestOutput, None]) -> Callable[[], Awaitable[None]]:
         async def finish() -> None:  # exactly once, however the stream ends
@@ -349,6 +384,7 @@ def build_app(
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.models, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),

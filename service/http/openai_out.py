@@ -10,6 +10,8 @@ from typing import Any
 from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, ToolCallDelta, Usage
 from service.core.stats import ModelInfo
 from service.core.tools import joined_calls
+from service.http import sse
+from service.http.errors import error_body
 from service.http.openai_in import ApiRequest
 
 # -- domain -> response ------------------------------------------------------------------------------------
@@ -30,13 +32,26 @@ def usage(u: Usage) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens, "disk_tokens": u.disk_prompt_tokens},
         # OpenAI's name for tokens of a predicted output that appeared in the completion; our predictions are
         # the speculative drafts
-        "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_draft_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_draft_tokens,
+            "reasoning_tokens": u.reasoning_tokens,
+        },
     }
 
 
 class Reply:
     """Builds the response objects of one call: whole (non-streaming) or as stream chunks.
     token_text turns a token id into its text, for logprobs."""
+
+    closing: tuple[bytes, ...] = (sse.DONE,)  # a stream ends with data: [DONE]
+
+    @staticmethod
+    def encode(chunk: dict[str, Any]) -> bytes:
+        return sse.event(chunk)
+
+    @staticmethod
+    def error_event(exc: Exception) -> dict[str, Any]:
+        return error_body(exc)
 
     def __init__(self, call: ApiRequest, model: str, request_id: str, token_text: Callable[[int], str]) -> None:
         self.call, self.model, self.token_text = call, model, token_text
@@ -59,6 +74,9 @@ class Reply:
         if self.call.chat:
             calls = tool_calls(d for o in outputs for d in o.tool_calls)
             choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            reasoning = "".join(o.reasoning for o in outputs)
+            if reasoning:
+                choice["message"]["reasoning"] = reasoning  # vLLM's name (and OpenRouter's) for it
             if calls:
                 choice["message"]["tool_calls"] = calls
             body = self._envelope("chat.completion", [choice])
@@ -77,10 +95,13 @@ class Reply:
     def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
         """The chunks for one engine output: its text (if any), then the finish reason, then usage."""
         chunks = []
-        if out.text or out.logprobs:
-            logprobs = self._logprobs(out.logprobs, self.token_chars)
-            if logprobs is not None and not self.call.chat:
-                self.token_chars += sum(map(len, logprobs["tokens"]))
+        logprobs = self._logprobs(out.logprobs, self.token_chars) if out.logprobs else None
+        if logprobs is not None and not self.call.chat:
+            self.token_chars += sum(map(len, logprobs["tokens"]))
+        if out.reasoning:  # the output's logprobs go with its first chunk
+            chunks.append(self._chunk({"reasoning": out.reasoning}, None, logprobs))
+            logprobs = None
+        if out.text or logprobs is not None:
             chunks.append(self._chunk({"content": out.text} if self.call.chat else out.text, None, logprobs))
         if out.tool_calls:
             chunks.append(self._chunk({"tool_calls": tool_calls(out.tool_calls)}, None))

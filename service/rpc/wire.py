@@ -21,12 +21,12 @@ from service.core.tools import Mode, Tool, ToolChoice, Tools, joined_calls, temp
 from service.engine import GenerationRequest
 from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
-from service.serving.prompt import encode, the_one_input
+from service.serving.prompt import encode, reasons, the_one_input
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "enable_thinking")
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto SamplingParams; unset ones keep
 # the server's defaults.
@@ -183,6 +183,7 @@ def generation_request(
         }
     )
     calls = tools(request)
+    thinking = request.enable_thinking if request.HasField("enable_thinking") else None
     ids = encode(
         tokenizer,
         field,
@@ -190,6 +191,7 @@ def generation_request(
         text=request.prompt if field == "prompt" else None,
         token_ids=request.prompt_token_ids if field == "prompt_token_ids" else None,
         tools=calls,
+        enable_thinking=thinking,
     )
     return GenerationRequest(
         ids,
@@ -200,6 +202,7 @@ def generation_request(
         cache_salt=request.cache_salt,
         response_format=response_format(request),
         tools=calls,
+        reasoning=reasons(tokenizer, field == "messages", thinking),
     )
 
 
@@ -222,6 +225,7 @@ def usage_pb(usage: Usage) -> pb.Usage:
         cached_prompt_tokens=usage.cached_prompt_tokens,
         disk_prompt_tokens=usage.disk_prompt_tokens,
         accepted_draft_tokens=usage.accepted_draft_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
     )
 
 
@@ -266,6 +270,7 @@ def stream_response(out: RequestOutput) -> pb.GenerateStreamResponse:
         token_ids=out.token_ids,
         logprobs=logprobs_pb(out.logprobs),
         tool_calls=tool_calls_pb(out.tool_calls),
+        reasoning_text=out.reasoning,
         **final_fields(out),
     )
 
@@ -279,6 +284,7 @@ def unary_response(outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
         token_ids=[t for o in outputs for t in o.token_ids],
         logprobs=logprobs_pb(lp for o in outputs for lp in o.logprobs),
         tool_calls=tool_calls_pb(joined_calls(d for o in outputs for d in o.tool_calls)),
+        reasoning_text="".join(o.reasoning for o in outputs),
         **final_fields(last),
     )
 
