@@ -20,7 +20,8 @@ class GenerationRequest:
     """One request as a caller sends it. prompt_field names the input the client sent (for errors); requests
     with different cache_salt never share cached KV blocks; a response_format constrains the reply to its
     grammar; active tools (already rendered into the prompt) constrain the reply's calls and come back parsed.
-    request_id is the caller's label (a new one when None); timeout is in seconds from now."""
+    request_id is the caller's label (a new one when None); timeout is in seconds from now. n candidates are
+    generated for the one prompt, candidate i with seed + i; their outputs carry their index."""
 
     prompt_token_ids: Sequence[int]
     params: SamplingParams
@@ -30,6 +31,7 @@ class GenerationRequest:
     cache_salt: str = ""
     response_format: ResponseFormat | None = None
     tools: Tools | None = None
+    n: int = 1
 
 
 class EngineClient(Protocol):

@@ -24,8 +24,10 @@ class ReplyAssembler:
         params: SamplingParams,
         decode: Callable[[Sequence[int]], str],
         call_ids: tuple[int, int] | None,
+        index: int = 0,
     ) -> None:
         self.label, self.num_prompt_tokens, self.arrival_time = label, num_prompt_tokens, arrival_time
+        self.index = index  # the candidate (n > 1)
         self.parser = ReplyParser(decode, call_ids, params.stop, params.include_stop_str_in_output)
         self.num_tokens = 0
         self.num_drafts = 0
@@ -68,7 +70,9 @@ class ReplyAssembler:
                 self.num_drafts,
             )
             timings = self._timings(out.queue_seconds)
-        return RequestOutput(self.label, tuple(token_ids), text, tuple(logprobs), finish, usage, timings, tuple(calls))
+        return RequestOutput(
+            self.label, tuple(token_ids), text, tuple(logprobs), finish, usage, timings, tuple(calls), self.index
+        )
 
     def _timings(self, queue_seconds: float) -> Timings:
         now = time.monotonic()
