@@ -155,6 +155,10 @@ class Engine:
     def _check_n(self, n: int) -> None:
         if not 1 <= n <= self.config.max_n:
             raise InvalidArgument("n", f"must be in [1, {self.config.max_n}] (the server's --max-n), got {n}")
+        held = self.config.max_num_seqs + self.config.max_queue
+        if n > held:  # never served, however long the client retried: not a full queue
+            limits = "--max-num-seqs + --max-queue"
+            raise InvalidArgument("n", f"must be at most {held} here: the server holds no more requests ({limits})")
 
     def _matcher(self, fmt: ResponseFormat, tool_schemas: list[ResponseFormat]) -> Matcher:
         """The format's matcher. Where a reply with tools does not compile, each tool's schema is compiled alone,
