@@ -22,7 +22,7 @@ import ipaddress
 import json
 import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from service.api.ovserve.v1 import ovserve_pb2_grpc as pb_grpc
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto sampling options (the server's
 # wire module reads the same descriptor); unset ones keep the server's defaults.
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")  # n is an option
 OPTIONS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.has_presence and f.name not in _NOT_OPTIONS)
 
 
@@ -49,9 +49,12 @@ def build_request(
     tools: Sequence[pb.Tool] = (),
     tool_choice: pb.ToolChoice | None = None,
     speculation: str | None = None,
+    logit_bias: Mapping[int, float] | None = None,
     **options,
 ) -> pb.GenerateRequest:
-    """speculation: "auto" or "off" (None: the server's default)."""
+    """speculation: "auto" or "off" (None: the server's default). logit_bias: token id -> bias in [-100, 100].
+    n (an option) > 1 asks for several candidates: streamed messages carry their index, Generate's reply has
+    them in choices."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise TypeError(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
@@ -60,6 +63,8 @@ def build_request(
         stop_token_ids=list(stop_token_ids),
         **{k: v for k, v in options.items() if v is not None},
     )
+    if logit_bias:
+        request.logit_bias.update(logit_bias)
     if request_id is not None:
         request.request_id = request_id
     if cache_salt is not None:

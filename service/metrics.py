@@ -205,6 +205,28 @@ class TokenClock:
         self.last, self.first = now, False
 
 
+class TokenClocks:
+    """A request's TokenClock per candidate (n > 1): the time to first token once per request (its first
+    candidate's first token), the inter-token latency of each candidate's tokens since its own earlier ones."""
+
+    def __init__(self, metrics: Metrics, started: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.metrics, self.started, self.clock = metrics, started, clock
+        self.clocks: dict[int, TokenClock] = {}
+
+    def tick(self, out: RequestOutput) -> None:
+        if not out.token_ids:
+            return
+        clock = self.clocks.get(out.index)
+        if clock is None:
+            clock = TokenClock(self.metrics, self.started, self.clock)
+            if self.clocks:  # a later candidate's first tokens: the request's first token came already
+                clock.last, clock.first = self.clock(), False
+                self.clocks[out.index] = clock
+                return
+            self.clocks[out.index] = clock
+        clock.tick(out)
+
+
 class EngineCollector:
     """Engine gauges and counters from one stats() snapshot per scrape; nothing until an engine is attached."""
 
@@ -249,6 +271,11 @@ class EngineCollector:
                 s.num_shape_changes,
             ),
             ("ovserve_prefix_cache_evictions", "Cached KV blocks reused for new content", s.num_cache_evictions),
+            (
+                "ovserve_shared_prompt_tokens",
+                "Prompt tokens the later candidates of n > 1 requests read from the first candidate's KV blocks",
+                s.num_shared_prompt_tokens,
+            ),
             ("ovserve_spec_draft_tokens", "Draft tokens verified (speculative decoding)", s.num_draft_tokens),
             ("ovserve_spec_accepted_tokens", "Draft tokens the model agreed with", s.num_accepted_tokens),
             (

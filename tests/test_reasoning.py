@@ -96,7 +96,7 @@ def assemble(ours, ids, step, params=None, call_ids=None, inside=False):
         params or SamplingParams(),
         ours.decode,
         call_ids,
-        ReasoningSplitter(ours.decode, THINK, UNTHINK, inside),
+        reasoning=ReasoningSplitter(ours.decode, THINK, UNTHINK, inside),
     )
     outputs = []
     for i in range(0, len(ids), step):

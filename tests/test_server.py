@@ -295,6 +295,16 @@ def test_overload_is_resource_exhausted(limits_server):
     wait_idle(limits_server.engine)
 
 
+def test_more_candidates_than_the_server_ever_holds_is_invalid_not_a_full_queue(limits_server):
+    """One sequence and no queue: n=2 could never be served, so retrying would not help (no RESOURCE_EXHAUSTED)."""
+    with Client(limits_server.target) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt="hi", max_new_tokens=2, n=2, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("n: must be at most 1 here")
+        assert len(c.generate(prompt="hi", max_new_tokens=2, n=1, timeout=TIMEOUT).token_ids) == 2
+
+
 # Loading, serving and draining: test_http.py, on both fronts of one server.
 
 

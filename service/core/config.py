@@ -60,6 +60,11 @@ class EngineConfig:
         "a Jinja chat template file replacing the model's own (templates/qwen3-instruct-2507.jinja: Qwen3's, with "
         "tool calling)",
     )
+    max_n: int = setting(
+        8,
+        "candidates (n) one request may ask for at most; each counts as a request against --max-num-seqs and "
+        "--max-queue",
+    )
     max_queue: int = setting(256, "requests waiting beyond the running ones before RESOURCE_EXHAUSTED")
     batch_window_ms: float = setting(0.0, "wait this long after an arrival to gather a burst into one step")
     enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
@@ -108,6 +113,7 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
+            (self.max_n >= 1, "max_n must be at least 1"),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
             (self.kv_disk_gb > 0, "kv_disk_gb must be > 0"),
             (

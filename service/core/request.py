@@ -104,6 +104,9 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     rng: np.random.Generator | None = None
     matcher: Matcher | None = None  # constrained decoding: where the reply is in its grammar
+    # a later candidate of an n > 1 request: the first candidate, whose prompt blocks it reads from the prefix
+    # cache once computed instead of computing them too (see Scheduler._waits_for_leader)
+    leader: Request | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

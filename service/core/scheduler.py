@@ -14,6 +14,11 @@ computed) until loaded() reports how many were restored; then it runs from there
 request. A request whose blocks another request is restoring waits for that load instead of loading
 them twice.
 
+The candidates of an n > 1 request are requests of their own with the same prompt. The later ones wait
+until the first (their leader) has computed the prompt's full blocks, then find them in the prefix cache
+like any prompt that starts like an earlier one: the prompt is computed once, and each candidate computes
+only its last, partial block (at least its last token, whose logits it samples).
+
 The scheduler owns a request's life on the engine thread: add() takes it in, update() records each
 step's outcome (computed tokens, sampled tokens, stop rules) and finish() takes it out wherever it is,
 freeing its blocks. `requests` holds every request it has not finished.
@@ -131,6 +136,7 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0  # chunks with drafts verified: tokens per verify step follows
+        self.num_shared_prompt_tokens = 0  # prompt tokens later candidates read from their leader's blocks
 
     def add(self, request: Request) -> None:
         if request.id in self.requests:
@@ -307,6 +313,8 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
                 break
+            if self._waits_for_leader(request):
+                continue
             prefix = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
             on_disk = self._on_disk(request, prefix.num_tokens)
             if on_disk is None:
@@ -324,6 +332,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 request.num_restored_tokens = len(on_disk) * self.kv.block_size
                 request.num_cached_tokens = prefix.num_tokens + request.num_restored_tokens
+                if request.leader is not None:
+                    self.num_shared_prompt_tokens += prefix.num_tokens
             if on_disk:
                 block_ids = tuple(self.kv.block_ids(request.id)[len(prefix.blocks) :])
                 plan.loads.append(self._start_load(Load(request, on_disk, block_ids, first)))
@@ -334,6 +344,16 @@ class Scheduler:
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
             keep_free += self._blocks_to_grow(request)
+
+    def _waits_for_leader(self, request: Request) -> bool:
+        """Whether a later candidate of an n > 1 request waits for its leader (the first) to compute the prompt's
+        full blocks, which it then reads from the prefix cache. It never waits for a leader that has ended, nor
+        without a prefix cache, nor for a prompt without a full block before its last token."""
+        leader = request.leader
+        if leader is None or leader.status is Status.FINISHED or not self.kv.enable_prefix_caching:
+            return False
+        shared = (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+        return leader.num_computed_tokens < shared
 
     def _growing(self) -> list[Request]:
         """The requests that hold blocks and will grow: the running ones and those whose blocks a load restores."""

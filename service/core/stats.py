@@ -65,6 +65,8 @@ class EngineStats:
     num_loading: int = 0  # requests waiting for their prefix to be restored from disk
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the RAM prefix cache, not computed
     num_restored_prompt_tokens: int = 0  # prompt tokens restored from the disk tier, not computed
+    # of the RAM cache's, those later candidates of n > 1 requests read from their first candidate's blocks
+    num_shared_prompt_tokens: int = 0
     disk: DiskTierStats | None = None  # None without a disk tier
     schedule_seconds_total: float = 0.0
     execute_seconds_total: float = 0.0

@@ -21,7 +21,8 @@ class GenerationRequest:
     with different cache_salt never share cached KV blocks; a response_format constrains the reply to its
     grammar; active tools (already rendered into the prompt) constrain the reply's calls and come back parsed.
     request_id is the caller's label (a new one when None); timeout is in seconds from now. reasoning: the reply
-    may open with a reasoning block (serving.prompt.reasons), returned apart from its text."""
+    may open with a reasoning block (serving.prompt.reasons), returned apart from its text. n candidates are
+    generated for the one prompt, candidate i with seed + i; their outputs carry their index."""
 
     prompt_token_ids: Sequence[int]
     params: SamplingParams
@@ -32,6 +33,7 @@ class GenerationRequest:
     response_format: ResponseFormat | None = None
     tools: Tools | None = None
     reasoning: bool = False
+    n: int = 1
 
 
 class EngineClient(Protocol):

@@ -25,11 +25,13 @@ class ReplyAssembler:
         params: SamplingParams,
         decode: Callable[[Sequence[int]], str],
         call_ids: tuple[int, int] | None,
+        index: int = 0,
         reasoning: ReasoningSplitter | None = None,
     ) -> None:
-        """reasoning: splits the reasoning block off the reply's start (replies that may reason); the stop
-        strings and the call parser read what follows it."""
+        """index: the candidate (n > 1); reasoning: splits the reasoning block off the reply's start (replies
+        that may reason); the stop strings and the call parser read what follows it."""
         self.label, self.num_prompt_tokens, self.arrival_time = label, num_prompt_tokens, arrival_time
+        self.index = index
         self.parser = ReplyParser(decode, call_ids, params.stop, params.include_stop_str_in_output)
         self.reasoning = reasoning
         self.num_reasoning_tokens = 0
@@ -83,7 +85,16 @@ class ReplyAssembler:
             )
             timings = self._timings(out.queue_seconds)
         return RequestOutput(
-            self.label, tuple(token_ids), text, tuple(logprobs), finish, usage, timings, tuple(calls), thought
+            self.label,
+            tuple(token_ids),
+            text,
+            tuple(logprobs),
+            finish,
+            usage,
+            timings,
+            tuple(calls),
+            thought,
+            self.index,
         )
 
     def _answer(self, text: str) -> str:

@@ -66,6 +66,7 @@ class StatsBook:
             num_loading=len(scheduler.loading),
             num_cached_prompt_tokens=kv.num_hit_tokens,
             num_restored_prompt_tokens=scheduler.num_restored_tokens,
+            num_shared_prompt_tokens=scheduler.num_shared_prompt_tokens,
             disk=self._disk_stats(),
             schedule_seconds_total=s.schedule_seconds_total + seconds.get("schedule", 0.0),
             execute_seconds_total=s.execute_seconds_total + seconds.get("execute", 0.0),

@@ -38,7 +38,7 @@ from service.http.errors import CrossOrigin, NotFound, TooLarge, Unauthenticated
 from service.http.host_check import HostCheck, is_loopback
 from service.http.responses_in import parse_responses
 from service.http.responses_out import ResponseReply
-from service.metrics import Metrics, TokenClock
+from service.metrics import Metrics, TokenClocks
 from service.serving.auth import bearer_matches
 from service.serving.call import Call
 from service.serving.prompt import encode, reasons
@@ -175,13 +175,14 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def collect(stream: AsyncIterator[RequestOutput], clock: TokenClock, everything: bool) -> list[RequestOutput]:
-    """The first output, or all of them; `async for` does not close the stream when it stops early."""
+async def collect(stream: AsyncIterator[RequestOutput], clock: TokenClocks, everything: bool) -> list[RequestOutput]:
+    """The first output, or all of them (every choice's, to the end of the stream); `async for` does not close
+    the stream when it stops early."""
     outputs = []
     async for out in stream:
         clock.tick(out)
         outputs.append(out)
-        if out.finished or not everything:
+        if not everything:
             break
     return outputs
 
@@ -211,6 +212,12 @@ class Reply(Protocol):
     """The objects of one call's reply: whole, or as stream events (openai_out.Reply, responses_out)."""
 
     closing: tuple[bytes, ...]  # sent after the last event
+
+    @property
+    def done(self) -> bool: ...  # every choice has finished
+
+    @property
+    def summary(self) -> RequestOutput | None: ...  # the final output, usage combined (log line, metrics)
 
     def response(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]: ...
 
@@ -262,7 +269,7 @@ class Api:
             return refuse(call, exc)
         stream = engine.generate(asked)
         reply = make_reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
-        clock = TokenClock(self.metrics, call.started)
+        clock = TokenClocks(self.metrics, call.started)
         try:
             outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))
         except BaseException as exc:
@@ -275,9 +282,10 @@ class Api:
             events = self.events(call, reply, outputs[0], stream, clock)
             return EventStream(events, self.stream_done(call, stream), id_header(call))
         await stream.aclose()
-        call.output = outputs[-1]
+        body = reply.response(outputs)
+        call.output = reply.summary
         call.finish(200)
-        return JSONResponse(reply.response(outputs), headers=id_header(call))
+        return JSONResponse(body, headers=id_header(call))
 
     async def prepare(
         self, request: Request, call: Call, parse: Parse
@@ -305,7 +313,7 @@ class Api:
         reply: Reply,
         out: RequestOutput,
         stream: AsyncIterator[RequestOutput],
-        clock: TokenClock,
+        clock: TokenClocks,
     ) -> AsyncGenerator[bytes, None]:
         for chunk in reply.first_chunks():
             yield reply.encode(chunk)
@@ -313,8 +321,8 @@ class Api:
             while True:
                 for chunk in reply.chunks(out):
                     yield reply.encode(chunk)
-                if out.finished:
-                    call.output = out
+                if reply.done:
+                    call.output = reply.summary
                     break
                 out = await anext(stream)
                 clock.tick(out)

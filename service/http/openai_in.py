@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.core.grammar import ResponseFormat
-from service.core.params import SamplingParams
+from service.core.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from service.core.stats import ModelInfo
 from service.core.tools import Mode, Tool, ToolChoice, Tools, template_call
 from service.engine import GenerationRequest
@@ -40,7 +40,6 @@ UNSUPPORTED = {
     "function_call": "the legacy function_call is not supported; use tool_choice",
     "audio": "audio output is not supported",
     "modalities": "only ['text'] is supported",
-    "logit_bias": "logit_bias is not supported",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "verbosity": "verbosity is not supported",
@@ -63,7 +62,7 @@ EXTENSIONS = (
 OWN_EXTENSIONS = ("speculation",)
 COMMON = (
     *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
-    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS, *OWN_EXTENSIONS),
+    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", "logit_bias", *EXTENSIONS, *OWN_EXTENSIONS),
 )
 CHAT_FIELDS = frozenset(
     (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice")
@@ -85,6 +84,8 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's structured_outputs (its successor of guided_json / guided_regex / guided_choice): one of these keys
 STRUCTURED_OUTPUTS = ("json", "regex", "choice")
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # logit_bias's keys: token ids in decimal (ASCII digits only)
+MAX_SHOWN_KEY_CHARS = 32  # of a logit_bias key quoted in an error
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class ApiRequest:
     tools: Tools | None = None
     max_tokens_given: bool = False  # the client set max_tokens (or max_completion_tokens)
     enable_thinking: bool | None = None  # chat_template_kwargs.enable_thinking; None: the template's default
+    n: int = 1  # candidates (choices); its range is the engine's check
 
     def generation_request(
         self, ids: list[int], field: str, label: str | None, max_model_len: int, reasoning: bool = False
@@ -128,6 +130,7 @@ class ApiRequest:
             response_format=self.response_format,
             tools=self.tools,
             reasoning=reasoning,
+            n=self.n,
         )
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
@@ -208,10 +211,9 @@ def _present(body: Mapping[str, Any], known: frozenset[str], where: str = "") ->
             raise InvalidArgument(param, "unknown field")
         if not where and name in IGNORED:
             _ignored(name, value)
-    for name in ("n", "best_of"):
-        count = _int(fields, name)
-        if count not in (None, 1):
-            raise InvalidArgument(name, f"only 1 choice per request is supported, got {count}")
+    best_of = _int(fields, "best_of")
+    if best_of not in (None, 1):
+        raise InvalidArgument("best_of", f"only 1 is supported (use n for several choices), got {best_of}")
     return fields
 
 
@@ -282,9 +284,11 @@ def _call(
         **{k: v for k, v in sampling.items() if v is not None},
         stop=_stop(fields.get("stop")),
         stop_token_ids=tuple(_ints(fields.get("stop_token_ids"), "stop_token_ids")),
+        logit_bias=logit_bias(fields.get("logit_bias")),
     )
     salt = string_at(fields, "cache_salt") or ""
     structure = response_format(fields)
+    n = _int(fields, "n")
     return ApiRequest(
         chat,
         params,
@@ -298,6 +302,7 @@ def _call(
         names | {"min_new_tokens": "min_tokens"},
         structure,
         max_tokens_given=max_tokens is not None,
+        n=1 if n is None else n,
     )
 
 
@@ -496,6 +501,31 @@ def prompt(raw: Any) -> str | list[int]:
     if isinstance(raw, list) and raw:
         return _ints(raw, "prompt")
     raise InvalidArgument("prompt", f"must be a non-empty string or array of token ids, got {kind_of(raw)}")
+
+
+def logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias}, as (id, bias) pairs by id. Only the JSON shape is checked here
+    (keys that are integers, values that are numbers, at most as many entries as allowed); the ids' vocabulary
+    and the biases' range are SamplingParams.validate's. Errors name logit_bias.<key>."""
+    if raw is None:
+        return ()
+    entries = object_at(raw, "logit_bias")
+    if len(entries) > MAX_LOGIT_BIAS_ENTRIES:  # before walking a large object
+        raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(entries)}")
+    biases: dict[int, float] = {}
+    for key, value in entries.items():
+        where = f"logit_bias.{key[:MAX_SHOWN_KEY_CHARS]}"
+        if not TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidArgument(where, "keys must be token ids (integers in decimal)")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidArgument(where, f"must be a number, got {kind_of(value)}")
+        if isinstance(value, int) and not -INT64 <= value < INT64:
+            raise InvalidArgument(where, f"the bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        token_id = int(key)
+        if token_id in biases:
+            raise InvalidArgument(where, f"names token {token_id} a second time")
+        biases[token_id] = float(value)
+    return tuple(sorted(biases.items()))
 
 
 def _stop(raw: Any) -> tuple[str, ...]:

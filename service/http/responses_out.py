@@ -61,7 +61,7 @@ def call_item(item_id: str, call: ToolCallDelta, status: str) -> dict[str, Any]:
 
 class ResponseReply:
     """Builds the response objects of one /v1/responses call, whole or as a stream of events (the same
-    interface as openai_out.Reply: response, first_chunks, chunks, encode, closing, error_event)."""
+    interface as openai_out.Reply: response, first_chunks, chunks, encode, closing, error_event, done, summary)."""
 
     closing: tuple[bytes, ...] = ()  # Responses streams end with response.completed; no [DONE]
 
@@ -73,6 +73,11 @@ class ResponseReply:
         self.items: list[dict[str, Any]] = []  # the output so far, in order
         self.open: dict[str, Any] | None = None  # the item still receiving deltas
         self.reasoning, self.text = "", ""
+        self.summary: RequestOutput | None = None  # the final output once the reply ended (one candidate)
+
+    @property
+    def done(self) -> bool:
+        return self.summary is not None
 
     # -- the response object -------------------------------------------------------------------------------
     def envelope(self, status: str, output: list[dict[str, Any]], last: RequestOutput | None) -> dict[str, Any]:
@@ -108,6 +113,7 @@ class ResponseReply:
 
     def response(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         last = outputs[-1]
+        self.summary = last if last.finished else None
         status = self.status(last)
         output = []
         reasoning = "".join(o.reasoning for o in outputs)
@@ -153,6 +159,7 @@ class ResponseReply:
                 self.open["arguments"] += d.arguments
                 events.append(self._delta("response.function_call_arguments.delta", d.arguments))
         if out.finished:
+            self.summary = out
             status = self.status(out)
             if not self.items:  # as in response()
                 events += self._add(message_item(_id("msg"), None, "in_progress"), text_part(""))

@@ -18,9 +18,9 @@ from grpc_reflection.v1alpha import reflection
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.config import ServerConfig
-from service.core.outputs import RequestOutput
+from service.core.outputs import RequestOutput, summary
 from service.core.request import SESSION_KEY, session_key
-from service.metrics import Metrics, TokenClock
+from service.metrics import Metrics, TokenClocks
 from service.rpc.status import status_details, status_of
 from service.rpc.wire import (
     SERVICE_NAME,
@@ -92,13 +92,15 @@ class GenerationServicer:
             asked = await asyncio.to_thread(
                 generation_request, engine.tokenizer, request, label, context.time_remaining()
             )
-            clock = TokenClock(self.metrics, call.started)
+            clocks = TokenClocks(self.metrics, call.started)
             stream = engine.generate(asked)
+            finals = []
             try:
                 async for out in stream:
-                    clock.tick(out)
+                    clocks.tick(out)
                     if out.finished:
-                        call.output = out
+                        finals.append(out)
+                        call.output = summary(finals)
                     yield out
             finally:
                 await stream.aclose()
