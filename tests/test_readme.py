@@ -159,6 +159,7 @@ class Server:
         command += ["--http-port", str(self.ports["http"]), "--metrics-port", str(self.ports["metrics"])]
         self.proc = subprocess.Popen(command, cwd=ROOT, env=clean_env(), stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
+        self.start_log: list[str] = []  # up to the ready line
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
         if not ready.wait(START_SECONDS) or self.proc.poll() is not None:
@@ -169,7 +170,8 @@ class Server:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.log.append(line)
-            if " serving " in line and "gRPC" in line:
+            if " serving " in line and "gRPC" in line and not ready.is_set():
+                self.start_log = list(self.log)
                 ready.set()
         ready.set()  # exited: the waiter sees poll() is not None
 
@@ -297,3 +299,21 @@ def test_an_example_for_another_model_says_what_it_needs_on_the_default_model(ex
     result = run(example, server)
     assert result.returncode != 0, f"{example.id} runs on the default model: its marker is stale"
     assert "Error code: 400" in result.stderr, result.stderr[-1500:]  # the server's clear refusal, not a crash
+
+
+def test_the_ready_line_comes_last_and_names_every_address_and_the_versions(servers):
+    """What the README's quick start promises of the line a reader waits for."""
+    server = servers()
+    *before, ready = server.start_log
+    assert any("listening on" in line for line in before) and any("sample at temperature" in line for line in before)
+    places = (
+        f"gRPC 127.0.0.1:{server.ports['grpc']}",
+        f"OpenAI API http://127.0.0.1:{server.ports['http']}/v1",
+        f"playground http://127.0.0.1:{server.ports['http']}/",
+        f"metrics http://127.0.0.1:{server.ports['metrics']}/metrics",
+        "SmolLM2-135M-Instruct",
+        "; ovserve ",
+        ", OpenVINO 20",
+    )
+    for place in places:
+        assert place in ready, (place, ready)

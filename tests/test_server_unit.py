@@ -283,8 +283,9 @@ def test_a_taken_port_is_named_with_its_flag(caplog, tmp_path, which):
         assert asyncio.run(serve(ServerConfig(model=model_folder(tmp_path), **ports))) == 2
     finally:
         taken.close()
-    flag = "--" + which.replace("_", "-")
-    assert f"cannot listen on 127.0.0.1:{ports[which]}" in caplog.text and flag in caplog.text
+    flag, variable = "--" + which.replace("_", "-"), "OVSERVE_" + which.upper()
+    assert f"cannot listen on 127.0.0.1:{ports[which]}" in caplog.text
+    assert f"choose another with {flag} or {variable}" in caplog.text
     assert "Traceback" not in caplog.text
 
 
