@@ -414,6 +414,19 @@ def test_config_errors(argv, capsys):
         parse_args(argv, env={})
 
 
+@pytest.mark.parametrize("flag", ["--auth-token-file", "--chat-template", "--tls-cert", "--tls-key"])
+def test_a_file_flag_naming_no_file_is_one_line_at_start(flag, tmp_path, capsys):
+    present = tmp_path / "present.pem"
+    present.write_text("x")
+    pair = {"--tls-cert": "--tls-key", "--tls-key": "--tls-cert"}  # each needs the other
+    other = [pair[flag], str(present)] if flag in pair else []
+    for given, says in ((tmp_path / "absent", "no such file"), (tmp_path, "not a file")):
+        with pytest.raises(SystemExit) as done:
+            parse_args(["--model", "m", flag, str(given), *other])
+        assert done.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"python -m service: error: {flag} {given}: {says}"
+
+
 def test_config_bad_env():
     with pytest.raises(SystemExit):
         parse_args(["--model", "m"], env={"OVSERVE_PORT": "many"})
