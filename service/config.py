@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from importlib import metadata
+from pathlib import Path
 
 from service.core.config import EngineConfig, setting
 
@@ -205,6 +206,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     for name in ("http_head_timeout_seconds", "http_body_timeout_seconds", "keep_alive_timeout_seconds"):
         if not args[name] > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    for name in ("auth_token_file", "tls_cert", "tls_key", "chat_template"):
+        path = args[name] and Path(args[name])
+        if path and not path.is_file():
+            p.error(f"--{name.replace('_', '-')} {path}: {'not a file' if path.exists() else 'no such file'}")
     try:
         origins(args["allowed_origins"])
     except ValueError as exc:

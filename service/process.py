@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from service.config import ServerConfig, env_name
-from service.engine import Engine, EngineClient, FolderInUse
+from service.engine import Engine, EngineClient, FolderInUse, UnreadableModel
 from service.engine.model_files import ModelFiles
 from service.http.front import HttpFront
 from service.metrics import Metrics
@@ -231,7 +231,7 @@ async def run(config: ServerConfig) -> int:
     await asyncio.wait({load, stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
         failure = load.exception()
-        if isinstance(failure, FolderInUse):  # a mistake in how it was started: one line, no traceback
+        if isinstance(failure, (FolderInUse, UnreadableModel)):  # a mistake in how it was started: one line
             log.error("cannot start: %s", failure)
             await server.drain(delay_seconds=0)
             return 2

@@ -14,16 +14,25 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from service.core import reasoning
 from service.core.tools import CLOSE_TAG, OPEN_TAG
-from service.engine.model_files import read_json
+from service.engine.model_files import CONVERT_AGAIN, UnreadableModel, read_json
 from service.errors import InvalidArgument
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
+def _read_tokenizer(path: Path) -> HFTokenizer:
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises plain Exception for every kind of bad file
+        raise UnreadableModel(
+            f"{path} is not a tokenizer the tokenizers library reads ({exc}); {CONVERT_AGAIN}"
+        ) from None
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path, chat_template: Path | None = None) -> None:
         """chat_template: a Jinja file that replaces the model's own template."""
-        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._tok = _read_tokenizer(model_dir / "tokenizer.json")
         # The same vocabulary, but special-token strings in the input are plain text: for message contents.
         self._plain = HFTokenizer.from_str(self._tok.to_str())
         self._plain.encode_special_tokens = True
