@@ -17,9 +17,10 @@ class FinishReason(enum.Enum):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_prompt_tokens: int  # not computed: found in the RAM prefix cache or restored from disk
+    cached_prompt_tokens: int  # not computed: found in the RAM prefix cache, restored from disk or fetched remotely
     disk_prompt_tokens: int = 0  # of the cached ones, those restored from the disk tier
     accepted_draft_tokens: int = 0  # of the completion tokens, speculative drafts the model kept
+    remote_prompt_tokens: int = 0  # of the cached ones, those fetched from the remote tier (the fleet's store)
 
 
 @dataclass(frozen=True)

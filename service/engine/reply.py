@@ -66,6 +66,7 @@ class ReplyAssembler:
                 out.num_cached_tokens,
                 out.num_restored_tokens,
                 self.num_drafts,
+                remote_prompt_tokens=out.num_remote_tokens,
             )
             timings = self._timings(out.queue_seconds)
         return RequestOutput(self.label, tuple(token_ids), text, tuple(logprobs), finish, usage, timings, tuple(calls))

@@ -1,0 +1,56 @@
+"""A real redis-server for tests: on a free port, in a temporary folder, without persistence; stopped, killed and
+started again on the same port by the tests that need the store to fail."""
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.support.servers import free_port
+
+
+class RedisServer:
+    def __init__(self, folder: Path, password: str | None = None, maxmemory: str | None = None) -> None:
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not installed (Debian package redis-server; `make system-packages`)")
+        self.folder, self.password, self.maxmemory = folder, password, maxmemory
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
+
+    def start(self) -> None:
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        command += ["--dir", str(self.folder), "--logfile", str(self.folder / "redis.log")]
+        if self.password:
+            command += ["--requirepass", self.password]
+        if self.maxmemory:
+            command += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self.client().ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        raise AssertionError("redis-server did not start")
+
+    def stop(self) -> None:
+        """Kill it (as a crash or a lost node would): its keys are gone."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def keys(self) -> list[bytes]:
+        return sorted(self.client().keys("*"))
