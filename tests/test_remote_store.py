@@ -282,3 +282,11 @@ def test_a_chain_continues_from_disk_into_the_store_and_lands_on_disk(server, tm
     wait_for(lambda: disk.store.counters.num_written == n)  # what came from the store is on disk now
     tiers.close(5)
     publisher.close(5)
+
+
+def test_the_http_usage_names_the_fetched_prompt_tokens():
+    from service.core.outputs import Usage
+    from service.http.openai_out import usage
+
+    details = usage(Usage(400, 16, 384, 32, remote_prompt_tokens=320))["prompt_tokens_details"]
+    assert details == {"cached_tokens": 384, "disk_tokens": 32, "remote_tokens": 320}
