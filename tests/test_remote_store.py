@@ -206,6 +206,28 @@ def test_a_store_that_goes_away_and_comes_back(server, caplog):
     tier.close(5)
 
 
+def test_a_store_that_hangs_costs_a_timeout_once_then_nothing(server, caplog):
+    cache = cache_arrays()
+    store = store_for(server, cache)
+    tier = started(store, cache)
+    tier.save([(digest(0), 0)])
+    wait_for(lambda: store.counters.num_published == 1)
+    server.pause()
+    try:
+        with caplog.at_level(logging.WARNING):
+            start = time.monotonic()
+            assert fetch_into(tier, [digest(0)], [5]) == 0
+            assert time.monotonic() - start < 2  # the 0.5 s timeout, not a hang
+            assert not store.up and tier.count_chain([digest(0)]) == 0
+            tier.save([(digest(1), 1)])  # skipped: nothing queues up for a store that hangs
+        assert tier.counters.num_skipped == 1 and caplog.text.count("does not answer") == 1
+    finally:
+        server.resume()
+    wait_for(lambda: store.up)
+    assert fetch_into(tier, [digest(0)], [5]) == 1
+    tier.close(5)
+
+
 def test_a_wrong_password_is_a_clear_warning_and_the_right_one_works(tmp_path, caplog):
     server = RedisServer(tmp_path, password="right horse battery")
     try:

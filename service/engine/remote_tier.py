@@ -178,19 +178,20 @@ class KVRemoteTier:
 
     # -- publisher thread ----------------------------------------------------------------------------------
     def _publish_loop(self) -> None:
+        """Publish what is queued while the store answers. Wakes up at least every FIRST_BACKOFF_SECONDS, so that
+        a store found down (by either thread) is pinged again after its backoff; while it is down, what is queued
+        is dropped (nothing waits for it)."""
         self.store.check()  # connect now: fetches are tried only once the store has answered
         while True:
             with self._lock:
-                if not (self._publishes or self._closing) or not self.store.up:
-                    # while down: wake up to ping again; the queue is dropped (nothing waits for it)
-                    self._lock.wait(None if self.store.up else FIRST_BACKOFF_SECONDS)
+                if not (self._publishes or self._closing):
+                    self._lock.wait(FIRST_BACKOFF_SECONDS)
                 if self._closing and (not self._publishes or not self.store.up):
                     return
                 job = self._publishes.popleft() if self._publishes and self.store.up else None
-            if not self.store.check():
-                self._drop_queue()
-                continue
             if job is None:
+                if not self.store.check():
+                    self._drop_queue()
                 continue
             try:
                 self._publish(job)

@@ -2,6 +2,7 @@
 started again on the same port by the tests that need the store to fail."""
 
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -51,6 +52,15 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(10)
             self.proc = None
+
+    def pause(self) -> None:
+        """Stop it answering while its port stays open (a store that hangs: connections wait, replies never come)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def keys(self) -> list[bytes]:
         return sorted(self.client().keys("*"))
