@@ -124,7 +124,7 @@ def fetch_split(e: Engine, prompt: list[int]) -> dict:
     for d in digests:
         pipe.getrange(store.key(d), 0, store.value_bytes)
     t0 = time.perf_counter()
-    values = pipe.execute()
+    values = [v for v in pipe.execute() if v]  # the chain's blocks the store holds
     network = time.perf_counter() - t0
     t0 = time.perf_counter()
     for v in values:
