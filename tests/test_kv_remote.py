@@ -95,12 +95,6 @@ def full_blocks(engine: Engine, prompt) -> int:
     return (len(prompt) - 1) // bs * bs
 
 
-def published(engine: Engine, num_blocks: int) -> None:
-    """A's blocks reach the store on its publisher thread: wait for them."""
-    start = engine.core.remote_tier.store.counters.num_published
-    wait_for(lambda: engine.core.remote_tier.store.counters.num_published - start >= num_blocks)
-
-
 def computed_on_a(a: Engine, prompt, **kw):
     before = a.core.remote_tier.store.counters.num_published
     out, usage = run(a, prompt, **kw)
@@ -230,3 +224,46 @@ def test_a_store_that_never_answers_leaves_a_server_that_serves(smollm2_ir, tmp_
         assert_no_blocks_held(engine)
     finally:
         engine.shutdown()
+
+
+def test_two_servers_share_a_conversation_over_the_http_api(smollm2_ir, store, tmp_path):
+    """The whole path: two `python -m service` servers (in-process) with their own disks and one store; the same
+    chat completion on the second, which never saw it, reports the history as fetched and gives the first's reply."""
+    import openai
+
+    from tests.support.servers import TIMEOUT, Running, base_config, free_port
+
+    servers = [
+        Running(
+            base_config(
+                smollm2_ir,
+                kv_cache_gb=0.05,
+                http_port=free_port(),
+                kv_disk_dir=str(tmp_path / name),
+                kv_remote_url=store.url,
+            )
+        )
+        for name in ("a", "b")
+    ]
+    try:
+        messages = conversation("river deltas")
+        replies = []
+        for running in servers:
+            wait_for(lambda running=running: running.engine.core.remote_tier.up)
+            http = openai.OpenAI(base_url=f"{running.url}/v1", api_key="-", timeout=TIMEOUT)
+            reply = http.chat.completions.create(
+                model=http.models.list().data[0].id, messages=messages, max_tokens=16, temperature=0
+            )
+            if not replies:  # A's history reaches the store before B is asked
+                counters = running.engine.core.remote_tier.store.counters
+                num_blocks = len(running.engine.tokenizer.encode_chat(messages)) // running.engine.info.block_size
+                wait_for(lambda counters=counters, n=num_blocks: counters.num_published >= n)
+            replies.append(reply)
+        first, second = replies
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        details = second.usage.prompt_tokens_details
+        assert details.cached_tokens == details.remote_tokens > 300 and details.disk_tokens == 0
+        assert second.choices[0].message.content == first.choices[0].message.content
+    finally:
+        for running in servers:
+            running.stop()
