@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from service.core.params import SamplingParams
-from service.engine import Engine, EngineConfig, GenerationRequest
+from service.engine import Engine, EngineConfig
 from service.metrics import Metrics
-from tests.support.engine import assert_no_blocks_held
+from tests.support.engine import assert_no_blocks_held, collect
 from tests.support.redis_server import RedisServer
 
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -74,11 +74,8 @@ def wait_for(condition, timeout: float = 30) -> None:
 
 
 async def generate(engine: Engine, prompt, **kw):
-    out, last = [], None
-    async for chunk in engine.generate(GenerationRequest(prompt, GREEDY, **kw)):
-        out += chunk.token_ids
-        last = chunk
-    return out, last.usage
+    tokens, _, last = await collect(engine, prompt, GREEDY, **kw)
+    return tokens, last.usage
 
 
 def run(engine: Engine, prompt, **kw):

@@ -247,6 +247,28 @@ def test_a_wrong_password_is_a_clear_warning_and_the_right_one_works(tmp_path, c
         server.stop()
 
 
+def test_tls_to_the_store_with_its_ca_and_a_clear_warning_without(tmp_path, caplog):
+    from tests.support.servers import self_signed_cert
+
+    key, cert = self_signed_cert(tmp_path)
+    server = RedisServer(tmp_path, tls=(key, cert))
+    try:
+        cache = cache_arrays()
+        with caplog.at_level(logging.WARNING):
+            unverified = KVRemoteTier(store_for(server, cache), cache)  # the system's CAs do not know it
+            unverified.start()
+            wait_for(lambda: unverified.store.counters.num_errors >= 1)
+        assert not unverified.up and "does not answer" in caplog.text and "certificate" in caplog.text
+        unverified.close(1)
+        tier = started(store_for(server, cache, ca_cert=str(cert)), cache)
+        tier.save([(digest(0), 0)])
+        wait_for(lambda: tier.store.counters.num_published == 1)
+        assert fetch_into(tier, [digest(0)], [5]) == 1
+        tier.close(5)
+    finally:
+        server.stop()
+
+
 def test_a_full_store_evicts_by_its_own_policy(tmp_path):
     server = RedisServer(tmp_path, maxmemory="2mb")
     try:

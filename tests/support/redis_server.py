@@ -14,23 +14,37 @@ from tests.support.servers import free_port
 
 
 class RedisServer:
-    def __init__(self, folder: Path, password: str | None = None, maxmemory: str | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        password: str | None = None,
+        maxmemory: str | None = None,
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
+        """tls: a key and a certificate for localhost; the server then speaks TLS only."""
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed (Debian package redis-server; `make system-packages`)")
-        self.folder, self.password, self.maxmemory = folder, password, maxmemory
+        self.folder, self.password, self.maxmemory, self.tls = folder, password, maxmemory, tls
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"rediss://localhost:{self.port}/0" if self.tls else f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls[1])} if self.tls else {}
+        return redis.Redis(host="localhost", port=self.port, password=self.password, socket_timeout=5, **tls)
 
     def start(self) -> None:
-        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        command = ["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.tls:
+            key, cert = self.tls
+            command += ["--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            command += ["--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert)]
+        else:
+            command += ["--port", str(self.port)]
         command += ["--dir", str(self.folder), "--logfile", str(self.folder / "redis.log")]
         if self.password:
             command += ["--requirepass", self.password]
