@@ -284,6 +284,24 @@ def test_a_full_store_evicts_by_its_own_policy(tmp_path):
         server.stop()
 
 
+def test_a_store_that_refuses_writes_is_one_warning_and_fetches_go_on(tmp_path, caplog):
+    server = RedisServer(tmp_path, maxmemory="2mb", policy="noeviction")  # full: it refuses instead of evicting
+    try:
+        cache = [np.zeros((24, 64, 1024), dtype=np.uint8)]
+        tier = started(store_for(server, cache), cache)
+        with caplog.at_level(logging.WARNING):
+            for start in range(0, 96, 24):
+                tier.save([(digest(start + i), i) for i in range(24)])
+                wait_for(lambda: tier.pending_bytes == 0)
+        stored = tier.store.counters.num_published
+        assert 0 < stored < 96 and tier.counters.num_skipped > 0
+        assert caplog.text.count("refuses writes") == 1 and tier.up
+        assert fetch_into(tier, [digest(0), digest(1)], [0, 1]) == 2  # what it holds is still fetched
+        tier.close(5)
+    finally:
+        server.stop()
+
+
 def test_a_ttl_expires_unused_blocks(server):
     cache = cache_arrays()
     store = store_for(server, cache, ttl_seconds=60)

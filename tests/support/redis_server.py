@@ -20,11 +20,12 @@ class RedisServer:
         password: str | None = None,
         maxmemory: str | None = None,
         tls: tuple[Path, Path] | None = None,
+        policy: str = "allkeys-lru",
     ) -> None:
         """tls: a key and a certificate for localhost; the server then speaks TLS only."""
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed (Debian package redis-server; `make system-packages`)")
-        self.folder, self.password, self.maxmemory, self.tls = folder, password, maxmemory, tls
+        self.folder, self.password, self.maxmemory, self.tls, self.policy = folder, password, maxmemory, tls, policy
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -49,7 +50,7 @@ class RedisServer:
         if self.password:
             command += ["--requirepass", self.password]
         if self.maxmemory:
-            command += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            command += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
