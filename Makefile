@@ -9,7 +9,7 @@ RUNTIME   := $(VENV)/.installed-runtime
 CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 
-.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -180,6 +180,13 @@ bench-structured: $(STAMP) $(MODEL)/manifest.json
 KV_DISK_ARGS ?=
 bench-kv-disk: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.kv_disk $(MODEL) $(KV_DISK_ARGS) --out bench/results-kv-disk/$(notdir $(MODEL)).json
+
+# The fleet cache: a returning conversation on a replica that never saw it, from a local redis-server (Debian's)
+# against recomputing and against local disk, in one run (bench/results-fleet-cache). For the Qwen3-4B shape:
+# make bench-fleet-cache MODEL=models/qwen3-4b-synthetic-int8 FLEET_CACHE_ARGS="--kv-cache-gb 0.5"
+FLEET_CACHE_ARGS ?=
+bench-fleet-cache: $(STAMP) system-packages $(MODEL)/manifest.json
+	$(PY) -m bench.fleet_cache $(MODEL) $(FLEET_CACHE_ARGS) --out bench/results-fleet-cache/$(notdir $(MODEL)).json
 
 # llama.cpp (llama-cpp-python, built from source the first time) against ovserve at one stream, interleaved.
 bench-llamacpp: $(STAMP) $(MODEL)/manifest.json

@@ -114,7 +114,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 
 def group_of(name: str) -> str:
-    if name.startswith("kv_disk_"):
+    if name.startswith(("kv_disk_", "kv_remote_")):
         return "cache"
     if name.startswith("speculative_") or name.startswith("prompt_lookup_"):
         return "speculation"

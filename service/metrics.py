@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from service.core.outputs import RequestOutput
-from service.core.stats import DiskTierStats
+from service.core.stats import DiskTierStats, RemoteTierStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The same gauges under the names the Gateway API Inference Extension's endpoint picker reads by default
@@ -290,18 +290,24 @@ class EngineCollector:
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        yield GaugeMetricFamily("ovserve_loading_requests", "Requests restoring their prefix from disk", s.num_loading)
+        yield GaugeMetricFamily(
+            "ovserve_loading_requests", "Requests restoring their prefix from disk or the remote tier", s.num_loading
+        )
         by_source = CounterMetricFamily(
             "ovserve_prompt_tokens_by_source",
-            "Prompt tokens by where their KV came from: computed, the RAM prefix cache, or the disk tier",
+            "Prompt tokens by where their KV came from: computed, the RAM prefix cache, the disk tier or the remote "
+            "tier",
             labels=["source"],
         )
         by_source.add_metric(["computed"], s.num_prompt_tokens)
         by_source.add_metric(["ram"], s.num_cached_prompt_tokens)
         by_source.add_metric(["disk"], s.num_restored_prompt_tokens)
+        by_source.add_metric(["remote"], s.num_remote_prompt_tokens)
         yield by_source
         if s.disk is not None:
             yield from disk_tier_metrics(s.disk)
+        if s.remote is not None:
+            yield from remote_tier_metrics(s.remote)
 
 
 def disk_tier_metrics(d: DiskTierStats):
@@ -329,6 +335,39 @@ def disk_tier_metrics(d: DiskTierStats):
         ("ovserve_kv_disk_read_bytes", "Bytes read from the disk tier", d.bytes_read),
         ("ovserve_kv_disk_restores", "Requests whose prefix was restored from disk", d.num_restores),
         ("ovserve_kv_disk_restore_seconds", "Time spent restoring prefixes from disk", d.restore_seconds_total),
+    )
+    for name, doc, total in counters:
+        yield CounterMetricFamily(name, doc, value=total)
+
+
+def remote_tier_metrics(r: RemoteTierStats):
+    yield GaugeMetricFamily(
+        "ovserve_kv_remote_up", "1 while the remote tier's store answers; 0 while it is down (prefixes computed)", r.up
+    )
+    counters: tuple[tuple[str, str, float], ...] = (
+        ("ovserve_kv_remote_published_blocks", "KV blocks published to the remote tier", r.num_published),
+        (
+            "ovserve_kv_remote_skipped_blocks",
+            "Full KV blocks not published: publishing fell behind, or the store was down",
+            r.num_skipped,
+        ),
+        ("ovserve_kv_remote_fetched_blocks", "KV blocks fetched from the remote tier and verified", r.num_fetched),
+        ("ovserve_kv_remote_misses", "Fetches whose chain ended at a block the store did not hold", r.num_missed),
+        (
+            "ovserve_kv_remote_corrupt_blocks",
+            "Remote values refused (wrong length, checksum, identity or digest, or a key of another type)",
+            r.num_corrupt,
+        ),
+        (
+            "ovserve_kv_remote_errors",
+            "Remote store operations that failed (unreachable, timed out, refused)",
+            r.num_errors,
+        ),
+        ("ovserve_kv_remote_outages", "Times the remote store stopped answering", r.num_outages),
+        ("ovserve_kv_remote_published_bytes", "Bytes published to the remote tier", r.bytes_published),
+        ("ovserve_kv_remote_fetched_bytes", "Bytes fetched from the remote tier", r.bytes_fetched),
+        ("ovserve_kv_remote_fetches", "Requests whose prefix was looked for in the remote tier", r.num_fetches),
+        ("ovserve_kv_remote_fetch_seconds", "Time spent fetching prefixes from the remote tier", r.fetch_seconds_total),
     )
     for name, doc, total in counters:
         yield CounterMetricFamily(name, doc, value=total)

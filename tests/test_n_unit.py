@@ -99,7 +99,12 @@ def test_openai_response_has_a_choice_per_candidate_and_usage_once():
     ]
     assert body["usage"]["prompt_tokens"] == 40 and body["usage"]["completion_tokens"] == 5
     assert body["usage"]["total_tokens"] == 45
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32, "disk_tokens": 0, "shared_tokens": 0}
+    assert body["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 32,
+        "disk_tokens": 0,
+        "remote_tokens": 0,
+        "shared_tokens": 0,
+    }
 
 
 def test_openai_stream_tags_chunks_and_sends_usage_after_the_last_choice():

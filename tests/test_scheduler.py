@@ -215,16 +215,21 @@ def test_expired_request_is_dropped_and_freed():
 
 
 class FakeDisk:
-    """Stands in for the disk tier: it holds the blocks whose digests it was given."""
+    """Stands in for the tiers below RAM: the disk holds the blocks whose digests it was given; with remote, the
+    rest of every chain is tried remotely (as a remote tier that answers does)."""
 
-    def __init__(self, digests=()) -> None:
+    def __init__(self, digests=(), remote: bool = False) -> None:
         self.digests = set(digests)
+        self.remote = remote
 
     def count_chain(self, digests) -> int:
         n = 0
         while n < len(digests) and digests[n] in self.digests:
             n += 1
         return n
+
+    def count_remote(self, digests) -> int:
+        return len(digests) if self.remote else 0
 
     def touch(self, digests) -> None:
         pass
@@ -307,6 +312,31 @@ def test_two_requests_needing_the_same_blocks_load_them_once():
     plan = s.schedule()
     assert not plan.loads and {c.request for c in plan.chunks} == {a, b}
     assert b.num_cached_tokens == 12 and b.num_restored_tokens == 0  # found in RAM once a restored them
+
+
+def test_a_chain_continues_from_disk_into_the_remote_tier_and_usage_says_where_it_came_from():
+    disk = FakeDisk(remote=True)
+    s = with_disk(disk)
+    r = request("a", 18)
+    disk.digests.update(digests_of(s, r)[:1])
+    s.add(r)
+    load = s.schedule().loads[0]
+    assert len(load.digests) == 4  # one block on disk, three tried remotely
+    s.loaded(r.id, 3, num_remote=2)  # the remote tier had two of them
+    assert (r.num_computed_tokens, r.num_cached_tokens) == (12, 12)
+    assert (r.num_restored_tokens, r.num_remote_tokens) == (4, 8)
+    assert (s.num_restored_tokens, s.num_remote_tokens) == (4, 8)
+    assert s.kv.num_blocks(r.id) == 3  # the block tried in vain is given back
+
+
+def test_a_remote_try_never_holds_a_request_back_for_lack_of_blocks():
+    disk = FakeDisk(remote=True)
+    s = with_disk(disk, num_blocks=6)  # fewer than the 30-token prompt's seven full blocks
+    r = request("a", 30)
+    s.add(r)
+    plan = s.schedule()
+    assert not plan.loads and [c.request for c in plan.chunks] == [r]  # computed, as without the tier
+    assert r.num_remote_tokens == 0
 
 
 def test_a_request_finished_while_loading_frees_its_blocks_when_the_load_ends():

@@ -13,11 +13,13 @@ from typing import Any
 from service.core.params import SPECULATION_MODES
 
 INFERENCE_PRECISIONS = ("f32", "bf16", "f16")
+REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
 
-def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field carrying its command-line help (and allowed values) in its metadata."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+    """A dataclass field carrying its command-line help (and allowed values) in its metadata. A secret one (it
+    may hold a password) is left out of the config's repr."""
+    return field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,26 @@ class EngineConfig:
     kv_disk_ttl_seconds: float = setting(
         0.0, "remove disk-tier blocks unused for this long (0: only when space runs out)"
     )
+    kv_remote_url: str | None = setting(
+        None,
+        "the fleet cache: a Redis 7 or Valkey store shared by every replica of the model, as redis://host:port/db "
+        "(rediss:// for TLS). Full KV blocks are published there as they fill and fetched by any replica instead "
+        "of recomputed; the store is never required (down or slow, prefixes are computed). Give the password "
+        "with --kv-remote-password-file rather than in the URL (default: no remote tier)",
+        secret=True,
+    )
+    kv_remote_password_file: str | None = setting(
+        None, "a file holding the remote store's password (a mounted Secret); a user goes in the URL"
+    )
+    kv_remote_ca_cert: str | None = setting(None, "CA certificates (PEM) to check a rediss:// store's certificate")
+    kv_remote_ttl_seconds: float = setting(
+        0.0,
+        "remote blocks unused for this long expire (0: only the store's own eviction, maxmemory and allkeys-lru, "
+        "bounds them)",
+    )
+    kv_remote_timeout_seconds: float = setting(
+        1.0, "a remote store operation not answered within this long fails, and the store is taken for down"
+    )
     speculation: str = setting(
         "off",
         "speculative decoding for requests that do not choose (their `speculation` field): auto verifies draft "
@@ -124,6 +146,19 @@ class EngineConfig:
                 not self.kv_disk_dir or self.enable_prefix_caching,
                 "kv_disk_dir needs prefix caching: it stores the prefix cache's blocks",
             ),
+            (
+                not self.kv_remote_url or self.kv_remote_url.split("://")[0] in REMOTE_SCHEMES,
+                f"kv_remote_url must start with one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}",
+            ),
+            (
+                not self.kv_remote_url or self.enable_prefix_caching,
+                "kv_remote_url needs prefix caching: it stores the prefix cache's blocks",
+            ),
+            (
+                0 <= self.kv_remote_ttl_seconds < math.inf,
+                "kv_remote_ttl_seconds must be >= 0 and finite (0: no time limit)",
+            ),
+            (0 < self.kv_remote_timeout_seconds < math.inf, "kv_remote_timeout_seconds must be > 0 and finite"),
             (self.kernel_cache_shapes >= 1, "kernel_cache_shapes must be at least 1"),
             (
                 self.inference_precision in INFERENCE_PRECISIONS,

@@ -18,12 +18,13 @@ class FinishReason(enum.Enum):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_prompt_tokens: int  # not computed: found in the RAM prefix cache or restored from disk
+    cached_prompt_tokens: int  # not computed: found in the RAM prefix cache, restored from disk or fetched remotely
     disk_prompt_tokens: int = 0  # of the cached ones, those restored from the disk tier
     accepted_draft_tokens: int = 0  # of the completion tokens, speculative drafts the model kept
     reasoning_tokens: int = 0  # of the completion tokens, those of the reasoning block (its tags included)
     # n > 1: of the prompt's tokens in all candidates, those the later candidates read from the first one's blocks
     shared_prompt_tokens: int = 0
+    remote_prompt_tokens: int = 0  # of the cached ones, those fetched from the remote tier (the fleet's store)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
         sum(u.accepted_draft_tokens for u in usages),
         sum(u.reasoning_tokens for u in usages),
         shared_prompt_tokens=sum(u.cached_prompt_tokens for u in usages[1:]),
+        remote_prompt_tokens=first.remote_prompt_tokens,
     )
 
 

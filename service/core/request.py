@@ -70,7 +70,7 @@ def check_prompt(prompt: Sequence[int], field: str, max_model_len: int, vocab_si
 
 class Status(enum.Enum):
     WAITING = "waiting"
-    LOADING = "loading"  # admitted; its cached prefix is being restored from disk
+    LOADING = "loading"  # admitted; its cached prefix is being restored from disk or the remote tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -96,6 +96,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens not computed at first admission: found in RAM or restored
     num_restored_tokens: int = 0  # of those, the ones restored from the disk tier
+    num_remote_tokens: int = 0  # of those, the ones fetched from the remote tier (the fleet's store)
     draft_stats: DraftStats = field(default_factory=DraftStats)  # speculative decoding: what its drafts earned
     num_accepted_drafts: int = 0  # output tokens that were drafts the model kept
     first_scheduled_time: float | None = None

@@ -8,11 +8,12 @@ each running request keeps the blocks for the rest of its prompt and one more to
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
 (mostly from the prefix cache).
 
-With a disk tier, a waiting request's prefix chain continues past its RAM hit into the disk: the
-blocks found there get pool blocks, and the request waits in the loading state (planned as a load, not
-computed) until loaded() reports how many were restored; then it runs from there like any other
-request. A request whose blocks another request is restoring waits for that load instead of loading
-them twice.
+With a disk tier, a waiting request's prefix chain continues past its RAM hit into the disk, and with a
+remote tier past the disk into the fleet's store (tried rather than known: the fetch finds out how far the
+chain goes there): the blocks to restore get pool blocks, and the request waits in the loading state (planned as
+a load, not computed) until loaded() reports how many were restored; then it runs from there like any other
+request. A request whose blocks another request is restoring waits for that load instead of loading them
+twice. A remote try that would hold the request back for lack of blocks is dropped: it starts as without it.
 
 The candidates of an n > 1 request are requests of their own with the same prompt. The later ones wait
 until the first (their leader) has computed the prompt's full blocks, then find them in the prefix cache
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.core.config import EngineConfig
-from service.core.kv_cache import KVCacheManager
+from service.core.kv_cache import KVCacheManager, PrefixHit
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
 from service.core.spec import DraftPolicy, PromptLookup, Proposer, StepLoad, StepTimes
@@ -65,7 +66,8 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class Load:
-    """Restore the blocks with these digests from disk into block_ids, for request (in the loading state).
+    """Restore the blocks with these digests from the tiers below RAM into block_ids, for request (in the loading
+    state).
     first: this is the request's first admission, whose usage counts the restored tokens."""
 
     request: Request
@@ -75,8 +77,14 @@ class Load:
 
 
 class DiskLookup(Protocol):
+    """The tiers below RAM: local disk, and the fleet's remote store."""
+
     def count_chain(self, digests: Sequence[bytes]) -> int:
-        """How many of digests, from the first on, can be restored."""
+        """How many of digests, from the first on, can be restored from local disk."""
+        ...
+
+    def count_remote(self, digests: Sequence[bytes]) -> int:
+        """How many of digests, from the first on, to try fetching from the remote tier."""
         ...
 
     def touch(self, digests: Sequence[bytes]) -> None:
@@ -131,7 +139,8 @@ class Scheduler:
         self.disk = disk
         self.loading: dict[int, Load] = {}  # by request id; a finished request stays until its load ends
         self._restoring: set[bytes] = set()  # digests of the blocks being loaded
-        self.num_restored_tokens = 0
+        self.num_restored_tokens = 0  # prompt tokens restored from local disk
+        self.num_remote_tokens = 0  # prompt tokens fetched from the remote tier
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -162,9 +171,10 @@ class Scheduler:
         if request.id not in self.loading:  # blocks being restored into are freed when their load ends
             self.kv.free(request.id)
 
-    def loaded(self, request_id: int, num_loaded: int) -> None:
-        """The load of a loading request ended with its first num_loaded blocks restored: they join the
-        prefix cache and the request runs from there (the rest of its prompt is computed)."""
+    def loaded(self, request_id: int, num_loaded: int, num_remote: int = 0) -> None:
+        """The load of a loading request ended with its first num_loaded blocks restored, the last num_remote of
+        them from the remote tier: they join the prefix cache and the request runs from there (the rest of its
+        prompt is computed)."""
         load = self.loading.pop(request_id, None)
         if load is None:
             return
@@ -179,9 +189,11 @@ class Scheduler:
         if load.first:  # usage promised every block; take back what could not be restored
             missing = (len(load.digests) - num_loaded) * self.kv.block_size
             request.num_cached_tokens -= missing
-            request.num_restored_tokens -= missing
+            request.num_restored_tokens -= missing + num_remote * self.kv.block_size
+            request.num_remote_tokens = num_remote * self.kv.block_size
         request.num_computed_tokens += num_restored
-        self.num_restored_tokens += num_restored
+        self.num_restored_tokens += num_restored - num_remote * self.kv.block_size
+        self.num_remote_tokens += num_remote * self.kv.block_size
         self.kv.cache_full_blocks(request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt)
         self.kv.trim(request.id, request.num_computed_tokens)
         request.status = Status.RUNNING
@@ -316,13 +328,13 @@ class Scheduler:
             if self._waits_for_leader(request):
                 continue
             prefix = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
-            on_disk = self._on_disk(request, prefix.num_tokens)
-            if on_disk is None:
+            below = self._below_ram(request, prefix.num_tokens)
+            if below is None:
                 continue  # another request is restoring its blocks: it waits for that load to end
-            num_new = 0 if on_disk else self._piece(request, prefix.num_tokens, budget)
-            num_tokens = prefix.num_tokens + len(on_disk) * self.kv.block_size + num_new
-            if not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
+            admitted = self._allocate(request, prefix, below, budget, keep_free)
+            if admitted is None:
                 break  # wait for blocks to be freed; first come, first served
+            to_load, num_new = admitted
             self.waiting.remove(request)
             if self.disk is not None:  # the RAM hit's disk copies were used too: not the ones to drop first
                 self.disk.touch([b.digest for b in prefix.blocks if b.digest is not None])
@@ -330,13 +342,13 @@ class Scheduler:
             first = request.first_scheduled_time is None
             if first:
                 request.first_scheduled_time = time.monotonic()
-                request.num_restored_tokens = len(on_disk) * self.kv.block_size
+                request.num_restored_tokens = len(to_load) * self.kv.block_size
                 request.num_cached_tokens = prefix.num_tokens + request.num_restored_tokens
                 if request.leader is not None:
                     self.num_shared_prompt_tokens += prefix.num_tokens
-            if on_disk:
+            if to_load:
                 block_ids = tuple(self.kv.block_ids(request.id)[len(prefix.blocks) :])
-                plan.loads.append(self._start_load(Load(request, on_disk, block_ids, first)))
+                plan.loads.append(self._start_load(Load(request, to_load, block_ids, first)))
                 keep_free += self._blocks_to_grow(request)
                 continue
             request.status = Status.RUNNING
@@ -365,16 +377,32 @@ class Scheduler:
         prompt computed in pieces must not be overtaken by requests admitted meanwhile."""
         return max(1, self.kv.blocks_needed(request.num_tokens + 1) - self.kv.num_blocks(request.id))
 
-    def _on_disk(self, request: Request, num_cached: int) -> tuple[bytes, ...] | None:
-        """Digests of the blocks past the RAM hit that can be restored from disk (never the block of the
-        last token, which must be computed for its logits); None while another load restores some."""
+    def _below_ram(self, request: Request, num_cached: int) -> tuple[tuple[bytes, ...], int] | None:
+        """Digests of the blocks past the RAM hit to restore from the tiers below RAM (never the block of the
+        last token, which must be computed for its logits), and how many of them, from the first on, local disk
+        holds (the rest are tried remotely); None while another load restores some."""
         if self.disk is None:
-            return ()
+            return (), 0
         digests = self.kv.full_block_digests(request.id, request.all_token_ids, request.cache_salt)
         wanted = digests[num_cached // self.kv.block_size : (request.num_tokens - 1) // self.kv.block_size]
         if any(d in self._restoring for d in wanted):
             return None
-        return tuple(wanted[: self.disk.count_chain(wanted)])
+        on_disk = self.disk.count_chain(wanted)
+        return tuple(wanted[: on_disk + self.disk.count_remote(wanted[on_disk:])]), on_disk
+
+    def _allocate(
+        self, request: Request, prefix: PrefixHit, below: tuple[tuple[bytes, ...], int], budget: int, keep_free: int
+    ) -> tuple[tuple[bytes, ...], int] | None:
+        """Blocks for a request's admission: its prefix hit, the blocks to restore (or, when the pool cannot spare
+        them, only those on local disk: a remote try must not hold a request back) and its first piece when it
+        restores nothing. The blocks to restore and the piece's size; None when even that does not fit."""
+        to_load, on_disk = below
+        for tried in dict.fromkeys((to_load, to_load[:on_disk])):
+            num_new = 0 if tried else self._piece(request, prefix.num_tokens, budget)
+            num_tokens = prefix.num_tokens + len(tried) * self.kv.block_size + num_new
+            if self.kv.allocate(request.id, num_tokens, prefix, keep_free):
+                return tried, num_new
+        return None
 
     def _start_load(self, load: Load) -> Load:
         load.request.status = Status.LOADING

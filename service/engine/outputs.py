@@ -24,6 +24,7 @@ class EngineOutput:
     error: ServiceError | None = None
     num_cached_tokens: int = 0
     num_restored_tokens: int = 0
+    num_remote_tokens: int = 0
     queue_seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -57,6 +58,7 @@ def output_of(
         finish_reason=request.finish_reason,
         num_cached_tokens=request.num_cached_tokens,
         num_restored_tokens=request.num_restored_tokens,
+        num_remote_tokens=request.num_remote_tokens,
         queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
     )
 

@@ -82,6 +82,7 @@ class ReplyAssembler:
                 out.num_restored_tokens,
                 self.num_drafts,
                 self.num_reasoning_tokens,
+                remote_prompt_tokens=out.num_remote_tokens,
             )
             timings = self._timings(out.queue_seconds)
         return RequestOutput(

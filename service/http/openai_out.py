@@ -28,11 +28,13 @@ def usage(u: Usage) -> dict[str, Any]:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        # cached_tokens: not computed (RAM or disk); ours: disk_tokens, of those the ones restored from disk, and
-        # shared_tokens (n > 1), the prompt tokens the later candidates read from the first one's KV blocks
+        # cached_tokens: not computed (RAM, disk or the remote tier); our extensions: of those, disk_tokens restored
+        # from local disk and remote_tokens fetched from the fleet's store; shared_tokens (n > 1), the prompt
+        # tokens the later candidates read from the first one's KV blocks
         "prompt_tokens_details": {
             "cached_tokens": u.cached_prompt_tokens,
             "disk_tokens": u.disk_prompt_tokens,
+            "remote_tokens": u.remote_prompt_tokens,
             "shared_tokens": u.shared_prompt_tokens,
         },
         # OpenAI's name for tokens of a predicted output that appeared in the completion; our predictions are
