@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 from service.core.config import EngineConfig
 from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
 from service.core.outputs import RequestOutput
-from service.core.request import Request, check_cache_salt, check_label, check_prompt
+from service.core.request import Request, check_cache_salt, check_label, check_priority, check_prompt
 from service.core.stats import EngineStats, ModelInfo
 from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.core import EngineCore, EngineOutput
@@ -59,6 +60,7 @@ class Engine:
             (self.model.path / "tokenizer.json").read_text(), self.info.vocab_size, self.info.eos_token_ids
         )
         self._streams: dict[int, _Stream] = {}  # by request id; written on callers' loops, read by the engine
+        self._in_flight: Counter[str] = Counter()  # requests with a stream, by tenant
         self._ids = itertools.count(1)
         self._death_listeners: list[Callable[[], None]] = []
         self.died = False
@@ -108,6 +110,7 @@ class Engine:
         request = self._make_request(asked, matcher)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.id] = stream
+        self._in_flight[request.tenant] += 1
         reply = ReplyAssembler(
             request.label,
             request.num_prompt_tokens,
@@ -133,6 +136,9 @@ class Engine:
                 yield output
         finally:
             del self._streams[request.id]
+            self._in_flight[request.tenant] -= 1
+            if not self._in_flight[request.tenant]:
+                del self._in_flight[request.tenant]
             if not ended:
                 self.core.abort(request.id)
 
@@ -160,6 +166,7 @@ class Engine:
         if label is not None:
             check_label(label)
         check_cache_salt(cache_salt)
+        check_priority(asked.priority)
         if not self._accepting:
             raise Unavailable("the engine is not serving (loading, stopped or draining)")
         check_prompt(prompt, prompt_field, self.info.max_model_len, self.info.vocab_size)
@@ -172,6 +179,7 @@ class Engine:
                 f"{len(self._streams)} requests in flight; the limit is "
                 f"{self.config.max_num_seqs} running + {self.config.max_queue} queued"
             )
+        self._check_tenant_queue(asked.tenant.name)
         params = replace(params, eos_token_ids=self.info.eos_token_ids)
         deadline = time.monotonic() + timeout if timeout is not None else None
         return Request(
@@ -179,10 +187,23 @@ class Engine:
             list(prompt),
             params,
             label or uuid.uuid4().hex,
-            cache_salt=cache_salt,
+            cache_salt=asked.tenant.cache_salt(cache_salt),
+            tenant=asked.tenant.name,
+            tenant_weight=asked.tenant.weight,
+            priority=asked.priority,
             deadline=deadline,
             matcher=matcher,
         )
+
+    def _check_tenant_queue(self, tenant: str) -> None:
+        """QueueFull when the tenant has as many requests in flight as --max-queued-per-tenant allows: one
+        tenant cannot fill the queue that every tenant shares."""
+        queued = self.config.max_queued_per_tenant
+        if queued and self._in_flight[tenant] >= self.config.max_num_seqs + queued:
+            raise QueueFull(
+                f"tenant {tenant} has {self._in_flight[tenant]} requests in flight; the limit per tenant is "
+                f"{self.config.max_num_seqs} running + {queued} queued (max_queued_per_tenant)"
+            )
 
     # -- engine thread ---------------------------------------------------------------------------------
     def _publish(self, outputs: list[EngineOutput]) -> None:

@@ -61,9 +61,11 @@ EXTENSIONS = (
 )
 # Our own extensions.
 OWN_EXTENSIONS = ("speculation",)
+# vLLM's `priority` (lower is admitted first, among the tenant's own requests): taken as vLLM takes it.
+SCHEDULING = ("priority",)
 COMMON = (
     *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
-    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS, *OWN_EXTENSIONS),
+    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS, *OWN_EXTENSIONS, *SCHEDULING),
 )
 CHAT_FIELDS = frozenset(
     (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice")
@@ -101,6 +103,7 @@ class ApiRequest:
     response_format: ResponseFormat | None = None
     tools: Tools | None = None
     max_tokens_given: bool = False  # the client set max_tokens (or max_completion_tokens)
+    priority: int = 0
 
     def generation_request(
         self, ids: list[int], field: str, label: str | None, max_model_len: int
@@ -123,6 +126,7 @@ class ApiRequest:
             cache_salt=self.cache_salt,
             response_format=self.response_format,
             tools=self.tools,
+            priority=self.priority,
         )
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
@@ -276,6 +280,7 @@ def _call(
         names | {"min_new_tokens": "min_tokens"},
         structure,
         max_tokens_given=max_tokens is not None,
+        priority=_int(fields, "priority") or 0,
     )
 
 

@@ -26,7 +26,7 @@ from service.serving.prompt import encode, the_one_input
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "priority")
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto SamplingParams; unset ones keep
 # the server's defaults.
@@ -200,6 +200,7 @@ def generation_request(
         cache_salt=request.cache_salt,
         response_format=response_format(request),
         tools=calls,
+        priority=request.priority,
     )
 
 

@@ -28,6 +28,7 @@ class Call:
         self.started = time.monotonic()
         self.request_id: str | None = None  # set once validated: only then may it reach the log
         self.session_id: str | None = None  # likewise
+        self.tenant = ""  # once authenticated: a configured tenant's name (a bounded metric label)
         self.output: RequestOutput | None = None  # the last one, once finished
         self.error: Exception | None = None  # what ended a reply already under way (its status is sent)
         self.finished = False
@@ -49,7 +50,7 @@ class Call:
         if self.in_flight:
             self.serving.num_in_flight -= 1
         seconds = time.monotonic() - self.started
-        self.metrics.observe_call(self.protocol, self.rpc, code, seconds, self.output)
+        self.metrics.observe_call(self.protocol, self.rpc, code, seconds, self.output, self.tenant)
         if self.request_id is None and exc is None:
             return  # health probes, model lists: nothing worth a line
         extra = self.record(code, seconds)
@@ -72,6 +73,8 @@ class Call:
             record["request_id"] = self.request_id
         if self.session_id is not None:
             record["session_id"] = self.session_id
+        if self.tenant:
+            record["tenant"] = self.tenant
         usage = self.output.usage if self.output is not None else None
         if usage is not None:
             record["prompt_tokens"] = usage.prompt_tokens
