@@ -61,10 +61,10 @@ class EngineConfig:
         "tool calling)",
     )
     max_queue: int = setting(256, "requests waiting beyond the running ones before RESOURCE_EXHAUSTED")
-    max_queued_per_tenant: int = setting(
-        0,
+    max_queued_per_tenant: int | None = setting(
+        None,
         "requests of one tenant waiting beyond max_num_seqs running before its next one gets RESOURCE_EXHAUSTED "
-        "(HTTP 429), so that one tenant cannot fill --max-queue for the others; 0: only --max-queue applies",
+        "(HTTP 429), so that one tenant cannot fill --max-queue for the others (default: only --max-queue applies)",
     )
     fair_admission: bool = setting(
         True,
@@ -119,7 +119,10 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
-            (self.max_queued_per_tenant >= 0, "max_queued_per_tenant must be >= 0 (0: no limit per tenant)"),
+            (
+                self.max_queued_per_tenant is None or self.max_queued_per_tenant >= 0,
+                "max_queued_per_tenant must be >= 0",
+            ),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
             (self.kv_disk_gb > 0, "kv_disk_gb must be > 0"),
             (

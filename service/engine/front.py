@@ -199,7 +199,7 @@ class Engine:
         """QueueFull when the tenant has as many requests in flight as --max-queued-per-tenant allows: one
         tenant cannot fill the queue that every tenant shares."""
         queued = self.config.max_queued_per_tenant
-        if queued and self._in_flight[tenant] >= self.config.max_num_seqs + queued:
+        if queued is not None and self._in_flight[tenant] >= self.config.max_num_seqs + queued:
             raise QueueFull(
                 f"tenant {tenant} has {self._in_flight[tenant]} requests in flight; the limit per tenant is "
                 f"{self.config.max_num_seqs} running + {queued} queued (max_queued_per_tenant)"
