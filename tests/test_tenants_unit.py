@@ -121,3 +121,25 @@ def test_flags(tmp_path):
         parse_args(["--model", "m", "--api-keys-file", "k", "--auth-token-file", "t"], env={})
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--max-queued-per-tenant", "-1"], env={})
+
+
+def test_sighup_reads_the_file_even_when_it_looks_unchanged(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(f"alice {ALICE}\n")
+    auth = Auth.from_files(None, str(path))
+    before = path.stat()
+    path.write_text(f"alice {ALICE[:-1]}Z\n")  # same size, and (below) the same time: not seen by polling
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert not auth.reload() and auth.tenant_of(bearer(ALICE)) is not None
+    assert auth.reload(force=True) and auth.tenant_of(bearer(ALICE)) is None
+
+
+def test_a_hostile_keys_file_stops_the_start_naming_the_line(tmp_path):
+    from service.config import ServerConfig
+    from service.process import Server
+
+    path = tmp_path / "keys"
+    path.write_text(f"alice {ALICE}\nbob\tshort\n")
+    config = ServerConfig(model="unused", port=0, http_port=0, metrics_port=0, api_keys_file=str(path))
+    with pytest.raises(KeysFileError, match=rf"{path} line 2: a key is 16 to 256"):
+        Server(config)

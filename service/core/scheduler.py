@@ -317,7 +317,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if self._full():
-                budget += self._make_place(request, plan)
+                budget += self._make_place(request, plan) or 0
                 if self._full():
                     break
                 keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
@@ -329,7 +329,7 @@ class Scheduler:
             num_tokens = prefix.num_tokens + len(on_disk) * self.kv.block_size + num_new
             while not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
                 freed = self._make_place(request, plan)
-                if not freed:
+                if freed is None:
                     return  # wait for blocks to be freed; the next in line first
                 budget += freed
                 keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
@@ -357,12 +357,12 @@ class Scheduler:
     def _full(self) -> bool:
         return len(self.running) + len(self.loading) >= self.max_num_seqs
 
-    def _make_place(self, request: Request, plan: StepPlan) -> int:
+    def _make_place(self, request: Request, plan: StepPlan) -> int | None:
         """Preempt the newest running request of the tenant furthest over its share of max_num_seqs, when
         request's tenant is under its own share (shares by weight among the tenants with work); the budget the
-        victim's chunk in this plan had. 0 when nothing is preempted (then the request waits its turn)."""
+        victim's chunk in this plan had. None when nothing is preempted (then the request waits its turn)."""
         if not self.waiting.fair:
-            return 0
+            return None
         counts: dict[str, int] = {request.tenant: 0}
         weights: dict[str, float] = {request.tenant: request.tenant_weight}
         for r in [*self.running, *(load.request for load in self.loading.values())]:
@@ -377,11 +377,11 @@ class Scheduler:
             return counts[tenant] - self.max_num_seqs * weights[tenant] / total
 
         if excess(request.tenant) > -1:  # one more would take it past its share
-            return 0
+            return None
         over = max(counts, key=lambda t: (excess(t), t != request.tenant))
         victims = [r for r in self.running if r.tenant == over]
         if excess(over) <= 0 or not victims:
-            return 0
+            return None
         return self._preempt(victims[-1], plan)
 
     def _growing(self) -> list[Request]:

@@ -235,7 +235,7 @@ class Api:
             return refuse(call, exc)
         stream = engine.generate(asked)
         reply = openai_out.Reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
-        clock = TokenClock(self.metrics, call.started, call.tenant)
+        clock = TokenClock(self.metrics, call.started, call.tenant_name)
         try:
             outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))
         except BaseException as exc:
@@ -257,8 +257,7 @@ class Api:
     ) -> tuple[EngineClient, openai_in.ApiRequest, GenerationRequest]:
         """Everything checked before the engine sees the request; the token before the body is read."""
         refuse_other_origins(request, self.allowed_origins)
-        tenant = self.authorize(request)
-        call.tenant = tenant.name
+        call.tenant = tenant = self.authorize(request)
         call.label(request.headers.get(REQUEST_ID_HEADER), REQUEST_ID_HEADER)
         call.session_id = session_key(request.headers.getlist(SESSION_KEY))
         body = await read_json(request, self.max_body_bytes)
@@ -307,7 +306,7 @@ class Api:
     async def models(self, request: Request) -> Response:
         call = Call(self.serving, self.metrics, "http", "models")
         try:
-            self.authorize(request)
+            call.tenant = self.authorize(request)
             info = self.serving.require_engine().info
             if "model" in request.path_params:
                 check_model(request.path_params["model"], info)

@@ -86,8 +86,6 @@ class GenerationServicer:
         while awaiting the engine; leaving the `async for` closes the engine's stream, which aborts the
         request and frees its KV blocks."""
         async with self.call(rpc, context, generation=True) as call:
-            tenant = tenant_of(self.auth, context.invocation_metadata())
-            call.tenant = tenant.name
             call.session_id = session_id(context.invocation_metadata())
             request = parsed(request)
             label = call.label(request_label(request))
@@ -96,8 +94,9 @@ class GenerationServicer:
             asked = await asyncio.to_thread(
                 generation_request, engine.tokenizer, request, label, context.time_remaining()
             )
-            clock = TokenClock(self.metrics, call.started, tenant.name)
-            stream = engine.generate(replace(asked, tenant=tenant))
+            assert call.tenant is not None  # call() found it
+            clock = TokenClock(self.metrics, call.started, call.tenant.name)
+            stream = engine.generate(replace(asked, tenant=call.tenant))
             try:
                 async for out in stream:
                     clock.tick(out)
@@ -112,6 +111,7 @@ class GenerationServicer:
         """One RPC's Call; a domain error ends the RPC with its status, a cancel is counted and re-raised."""
         call = Call(self.serving, self.metrics, "grpc", rpc, generation)
         try:
+            call.tenant = tenant_of(self.auth, context.invocation_metadata())
             yield call
         except (asyncio.CancelledError, GeneratorExit):
             call.finish(why_cancelled(context).name)  # the client went away or its deadline passed
