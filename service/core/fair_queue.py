@@ -46,10 +46,6 @@ class FairQueue:
     def __bool__(self) -> bool:
         return self._len > 0
 
-    def __contains__(self, request: Request) -> bool:
-        tenant = self._tenants.get(self._key(request))
-        return tenant is not None and any(r is request for *_, r in tenant.queue)
-
     def add(self, request: Request) -> None:
         """Queue a request: a new one behind its tenant's requests of the same priority, a preempted one
         back where it was."""
@@ -85,10 +81,6 @@ class FairQueue:
     def tenants(self) -> dict[str, float]:
         """The tenants with requests waiting, and their weights."""
         return {name: t.weight for name, t in self._tenants.items() if t.queue}
-
-    def vtime(self, tenant: str) -> float:
-        found = self._tenants.get(tenant)
-        return found.vtime if found is not None else 0.0
 
     def __iter__(self) -> Iterator[Request]:
         """The waiting requests in admission order. The tenant of each next one is chosen when it is asked
