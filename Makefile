@@ -9,7 +9,7 @@ RUNTIME   := $(VENV)/.installed-runtime
 CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 
-.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-tenants clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -187,6 +187,11 @@ bench-kv-disk: $(STAMP) $(MODEL)/manifest.json
 FLEET_CACHE_ARGS ?=
 bench-fleet-cache: $(STAMP) system-packages $(MODEL)/manifest.json
 	$(PY) -m bench.fleet_cache $(MODEL) $(FLEET_CACHE_ARGS) --out bench/results-fleet-cache/$(notdir $(MODEL)).json
+
+# Tenants: one floods with 200 requests at once, another sends one a second; the light tenant's time to first
+# token during the flood against its idle time, with fair admission and without (FIFO), in one run.
+bench-tenants: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.tenants $(MODEL) --out bench/results-tenants/$(notdir $(MODEL)).json
 
 # llama.cpp (llama-cpp-python, built from source the first time) against ovserve at one stream, interleaved.
 bench-llamacpp: $(STAMP) $(MODEL)/manifest.json

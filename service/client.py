@@ -313,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--priority", type=int, help="among your tenant's waiting requests: lower is admitted first")
     p.add_argument("--timeout", type=float, help="deadline in seconds")
-    p.add_argument("--token-file", help="file holding the bearer token")
+    p.add_argument("--token-file", help="file holding the bearer token (the API key)")
     p.add_argument("--ca-cert", help="CA certificate (PEM) of a TLS server")
     p.add_argument(
         "--no-thinking",
@@ -335,7 +336,16 @@ def main(argv: list[str] | None = None) -> int:
     certs = Path(args.ca_cert).read_bytes() if args.ca_cert else None
     options = {
         name: getattr(args, name)
-        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
+        for name in (
+            "max_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "repetition_penalty",
+            "priority",
+        )
     }
     if args.no_thinking:
         options["enable_thinking"] = False

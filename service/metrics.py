@@ -94,12 +94,12 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "ovserve_requests", "Finished RPCs by method and status code", ["rpc", "code"], registry=r
+            "ovserve_requests", "Finished RPCs by method, status code and tenant", ["rpc", "code", "tenant"], registry=r
         )
         self.http_requests = Counter(
             "ovserve_http_requests",
-            "Finished HTTP API requests by endpoint and status (499: the client went away)",
-            ["endpoint", "status"],
+            "Finished HTTP API requests by endpoint, status (499: the client went away) and tenant",
+            ["endpoint", "status", "tenant"],
             registry=r,
         )
         self.dropped_connections = Counter(
@@ -110,7 +110,8 @@ class Metrics:
         )
         self.ttft = Histogram(
             "ovserve_time_to_first_token_seconds",
-            "Request start to first token (gRPC and HTTP)",
+            "Request start to first token (gRPC and HTTP), by tenant",
+            ["tenant"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -122,12 +123,17 @@ class Metrics:
         )
         self.e2e = Histogram(
             "ovserve_request_latency_seconds",
-            "End-to-end generation latency (gRPC and HTTP)",
+            "End-to-end generation latency (gRPC and HTTP), by tenant",
+            ["tenant"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue = Histogram(
-            "ovserve_queue_time_seconds", "Time waiting before first scheduling", buckets=LATENCY_BUCKETS, registry=r
+            "ovserve_queue_time_seconds",
+            "Time waiting before first scheduling, by tenant",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self._engine = EngineCollector()
         r.register(self._engine)
@@ -136,8 +142,8 @@ class Metrics:
     def attach(self, engine) -> None:
         self._engine.engine = engine
 
-    def observe_first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+    def observe_first_token(self, seconds: float, tenant: str = "") -> None:
+        self.ttft.labels(tenant).observe(seconds)
 
     def observe_tokens(self, seconds: float, num_tokens: int) -> None:
         """num_tokens arrived together, seconds after the request's previous ones: each counts the gap's
@@ -146,31 +152,42 @@ class Metrics:
         for _ in range(num_tokens):
             self.itl.observe(seconds / num_tokens)
 
-    def observe_rpc(self, rpc: str, code: str, seconds: float, output: RequestOutput | None = None) -> None:
-        self.requests.labels(rpc, code).inc()
+    def observe_rpc(
+        self, rpc: str, code: str, seconds: float, output: RequestOutput | None = None, tenant: str = ""
+    ) -> None:
+        self.requests.labels(rpc, code, tenant).inc()
         if rpc.startswith("Generate"):
-            self.e2e.observe(seconds)
+            self.e2e.labels(tenant).observe(seconds)
         if output is not None and output.timings is not None:
-            self.queue.observe(output.timings.queue)
+            self.queue.labels(tenant).observe(output.timings.queue)
 
-    def observe_http(self, endpoint: str, status: int, seconds: float, output: RequestOutput | None = None) -> None:
-        self.http_requests.labels(endpoint, str(status)).inc()
+    def observe_http(
+        self, endpoint: str, status: int, seconds: float, output: RequestOutput | None = None, tenant: str = ""
+    ) -> None:
+        self.http_requests.labels(endpoint, str(status), tenant).inc()
         if output is not None:
-            self.e2e.observe(seconds)
+            self.e2e.labels(tenant).observe(seconds)
         if output is not None and output.timings is not None:
-            self.queue.observe(output.timings.queue)
+            self.queue.labels(tenant).observe(output.timings.queue)
 
     def observe_dropped_connection(self, reason: str) -> None:
         self.dropped_connections.labels(reason).inc()
 
     def observe_call(
-        self, protocol: str, rpc: str, code: str | int, seconds: float, output: RequestOutput | None = None
+        self,
+        protocol: str,
+        rpc: str,
+        code: str | int,
+        seconds: float,
+        output: RequestOutput | None = None,
+        tenant: str = "",
     ) -> None:
-        """A finished call of either front: gRPC codes are names, HTTP statuses numbers."""
+        """A finished call of either front: gRPC codes are names, HTTP statuses numbers. tenant: a configured
+        tenant's name, empty for calls refused before it was known (the label's values stay bounded)."""
         if protocol == "grpc":
-            self.observe_rpc(rpc, str(code), seconds, output)
+            self.observe_rpc(rpc, str(code), seconds, output, tenant)
         else:
-            self.observe_http(rpc, int(code), seconds, output)
+            self.observe_http(rpc, int(code), seconds, output, tenant)
 
     def serve(self, port: int, host: str) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -190,8 +207,10 @@ class TokenClock:
     output gives the time to first token only, even when it holds several tokens (a prefix-cache hit can
     verify drafts in the request's first step): those came with the first, not after it."""
 
-    def __init__(self, metrics: Metrics, started: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.metrics, self.last, self.clock = metrics, started, clock
+    def __init__(
+        self, metrics: Metrics, started: float, tenant: str = "", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.metrics, self.last, self.clock, self.tenant = metrics, started, clock, tenant
         self.first = True
 
     def tick(self, out: RequestOutput) -> None:
@@ -199,7 +218,7 @@ class TokenClock:
             return
         now = self.clock()
         if self.first:
-            self.metrics.observe_first_token(now - self.last)
+            self.metrics.observe_first_token(now - self.last, self.tenant)
         else:
             self.metrics.observe_tokens(now - self.last, len(out.token_ids))
         self.last, self.first = now, False
@@ -209,8 +228,10 @@ class TokenClocks:
     """A request's TokenClock per candidate (n > 1): the time to first token once per request (its first
     candidate's first token), the inter-token latency of each candidate's tokens since its own earlier ones."""
 
-    def __init__(self, metrics: Metrics, started: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.metrics, self.started, self.clock = metrics, started, clock
+    def __init__(
+        self, metrics: Metrics, started: float, tenant: str = "", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.metrics, self.started, self.tenant, self.clock = metrics, started, tenant, clock
         self.clocks: dict[int, TokenClock] = {}
 
     def tick(self, out: RequestOutput) -> None:
@@ -218,7 +239,7 @@ class TokenClocks:
             return
         clock = self.clocks.get(out.index)
         if clock is None:
-            clock = TokenClock(self.metrics, self.started, self.clock)
+            clock = TokenClock(self.metrics, self.started, self.tenant, self.clock)
             if self.clocks:  # a later candidate's first tokens: the request's first token came already
                 clock.last, clock.first = self.clock(), False
                 self.clocks[out.index] = clock

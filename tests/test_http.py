@@ -325,7 +325,7 @@ def test_metrics_and_logs_say_http(sdk, model, server, caplog):
     registry = server.server.metrics.registry
 
     def count(endpoint, status):
-        labels = {"endpoint": endpoint, "status": status}
+        labels = {"endpoint": endpoint, "status": status, "tenant": "default"}
         return registry.get_sample_value("ovserve_http_requests_total", labels) or 0.0
 
     before = count("chat.completions", "200"), count("chat.completions", "400")
@@ -376,7 +376,8 @@ def test_a_page_that_points_its_name_at_the_server_is_refused(server):
     # Origin check let it generate and read the reply; the Host header still carries the page's name
     port = server.server.http.port
     registry = server.server.metrics.registry
-    refused = registry.get_sample_value("ovserve_http_requests_total", {"endpoint": "any", "status": "403"}) or 0.0
+    host_refused = {"endpoint": "any", "status": "403", "tenant": ""}  # refused before any tenant is known
+    refused = registry.get_sample_value("ovserve_http_requests_total", host_refused) or 0.0
     rebound = {"host": f"evil.example:{port}", "origin": f"http://evil.example:{port}"}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/")):
@@ -384,7 +385,7 @@ def test_a_page_that_points_its_name_at_the_server_is_refused(server):
         assert reply.status_code == 403, reply.text
         error = reply.json()["error"]
         assert error["code"] == "host_not_allowed" and "evil.example" in error["message"]
-    assert registry.get_sample_value("ovserve_http_requests_total", {"endpoint": "any", "status": "403"}) == refused + 3
+    assert registry.get_sample_value("ovserve_http_requests_total", host_refused) == refused + 3
     for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
         own = {"host": host, "origin": f"http://{host}"}
         assert httpx.post(server.url + "/v1/chat/completions", json=body, headers=own).status_code == 200
@@ -549,7 +550,7 @@ def test_metrics_on_the_api_port_and_the_ready_line(server, sdk, model, caplog):
     chat(sdk, model, **GREEDY)
     page = httpx.get(server.url + "/metrics", timeout=TIMEOUT)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
-    assert 'ovserve_http_requests_total{endpoint="chat.completions",status="200"}' in page.text
+    assert 'ovserve_http_requests_total{endpoint="chat.completions",status="200",tenant="default"}' in page.text
     line = server.server.ready_line(server.engine)
     for place in (f"gRPC 127.0.0.1:{server.server.port}", f"OpenAI API {server.url}/v1", f"playground {server.url}/"):
         assert place in line

@@ -131,8 +131,8 @@ def test_one_time_to_first_token_per_request_and_latencies_per_candidate():
     for index, ids in ((0, (1,)), (1, (2,)), (0, (3, 4)), (1, (5,))):
         clocks.tick(RequestOutput("r", ids, "", index=index))
     value = metrics.registry.get_sample_value
-    assert value("ovserve_time_to_first_token_seconds_count") == 1
-    assert value("ovserve_time_to_first_token_seconds_sum") == 1.0
+    assert value("ovserve_time_to_first_token_seconds_count", {"tenant": ""}) == 1
+    assert value("ovserve_time_to_first_token_seconds_sum", {"tenant": ""}) == 1.0
     # candidate 0: 2 tokens 2 s after its first; candidate 1: one token 2 s after its first
     assert value("ovserve_inter_token_latency_seconds_count") == 3
     assert value("ovserve_inter_token_latency_seconds_sum") == 4.0

@@ -125,7 +125,7 @@ def test_preemption_by_recompute_and_resume():
     plan = step(s)  # a takes the last block for its 9th token; b needs one too and is preempted
     assert [r.label for r in plan.preempted] == ["b"]
     assert b.status is Status.WAITING and b.num_computed_tokens == 0
-    assert s.waiting[0] is b
+    assert next(iter(s.waiting)) is b
     assert s.num_preemptions == 1
     s.finish(a)
     plan = s.schedule()  # b resumes: its two full blocks (prompt + first generated token) from the cache

@@ -103,7 +103,8 @@ def test_expired_deadlines_are_counted_as_deadline_exceeded(client, server):
     registry = server.server.metrics.registry
 
     def count(code: str) -> float:
-        return registry.get_sample_value("ovserve_requests_total", {"rpc": "GenerateStream", "code": code}) or 0.0
+        labels = {"rpc": "GenerateStream", "code": code, "tenant": "default"}
+        return registry.get_sample_value("ovserve_requests_total", labels) or 0.0
 
     before = count("DEADLINE_EXCEEDED"), count("CANCELLED")
     for _ in range(3):
@@ -409,12 +410,12 @@ def test_metrics_endpoint(server):
     after = metric_samples(port)
     added = {name: value - before.get(name, 0.0) for name, value in after.items()}
     for name, value in (
-        ('ovserve_requests_total{code="OK",rpc="GenerateStream"}', 1.0),
-        ('ovserve_requests_total{code="INVALID_ARGUMENT",rpc="Generate"}', 1.0),
-        ("ovserve_time_to_first_token_seconds_count", 1.0),
+        ('ovserve_requests_total{code="OK",rpc="GenerateStream",tenant="default"}', 1.0),
+        ('ovserve_requests_total{code="INVALID_ARGUMENT",rpc="Generate",tenant="default"}', 1.0),
+        ('ovserve_time_to_first_token_seconds_count{tenant="default"}', 1.0),
         ("ovserve_inter_token_latency_seconds_count", 3.0),
-        ("ovserve_request_latency_seconds_count", 2.0),
-        ("ovserve_queue_time_seconds_count", 1.0),
+        ('ovserve_request_latency_seconds_count{tenant="default"}', 2.0),
+        ('ovserve_queue_time_seconds_count{tenant="default"}', 1.0),
         ("ovserve_spec_verify_steps_total", 0.0),
         ("ovserve_grammar_mask_wait_seconds_total", 0.0),
     ):

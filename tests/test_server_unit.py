@@ -23,6 +23,7 @@ from service.process import Server, start_server
 from service.rpc.front import authorized
 from service.rpc.status import status_details, status_of
 from service.rpc.wire import generation_request, sampling_params, stream_response, tokenize_ids, unary_response
+from service.serving.auth import Auth
 from tests.support.fakes import INFO, FakeEngine, FakeTokenizer, LoopThread
 from tests.support.paths import ROOT
 from tests.support.servers import free_port, self_signed_cert
@@ -165,16 +166,19 @@ def test_error_table():
 
 
 # -- auth ------------------------------------------------------------------------------------------------
-def test_authorized():
+def test_authorized(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t0k\n")
+    auth = Auth.from_files(str(token), None)
     gen = "/ovserve.v1.Generation/Generate"
-    assert authorized(gen, (("authorization", "Bearer t0k"),), "t0k")
-    assert not authorized(gen, (("authorization", "Bearer nope"),), "t0k")
-    assert not authorized(gen, (("authorization", "t0k"),), "t0k")
-    assert authorized(gen, (("authorization", "bearer t0k"),), "t0k")  # the scheme is case-insensitive
-    assert not authorized(gen, (("authorization", "Basic t0k"),), "t0k")
-    assert not authorized(gen, (), "t0k") and not authorized(gen, None, "t0k")
-    assert authorized("/grpc.health.v1.Health/Check", (), "t0k")
-    assert not authorized("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (), "t0k")
+    assert authorized(gen, (("authorization", "Bearer t0k"),), auth)
+    assert not authorized(gen, (("authorization", "Bearer nope"),), auth)
+    assert not authorized(gen, (("authorization", "t0k"),), auth)
+    assert authorized(gen, (("authorization", "bearer t0k"),), auth)  # the scheme is case-insensitive
+    assert not authorized(gen, (("authorization", "Basic t0k"),), auth)
+    assert not authorized(gen, (), auth) and not authorized(gen, None, auth)
+    assert authorized("/grpc.health.v1.Health/Check", (), auth)
+    assert not authorized("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (), auth)
 
 
 def test_a_tls_key_that_is_not_the_certificates_is_named_at_start(tmp_path):
@@ -611,8 +615,8 @@ def test_tokens_that_arrive_together_share_the_inter_token_gap():
     for ids in ((1,), (2, 3, 4), (5, 6), ()):  # an output without tokens (the final one may be) is no tick
         clock.tick(RequestOutput("r", ids, ""))
     value = metrics.registry.get_sample_value
-    assert value("ovserve_time_to_first_token_seconds_count") == 1
-    assert value("ovserve_time_to_first_token_seconds_sum") == 1.0
+    assert value("ovserve_time_to_first_token_seconds_count", {"tenant": ""}) == 1
+    assert value("ovserve_time_to_first_token_seconds_sum", {"tenant": ""}) == 1.0
     assert value("ovserve_inter_token_latency_seconds_count") == 5
     assert value("ovserve_inter_token_latency_seconds_sum") == 5.0
     assert value("ovserve_inter_token_latency_seconds_bucket", {"le": "1.0"}) == 5

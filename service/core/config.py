@@ -68,6 +68,17 @@ class EngineConfig:
         "--max-queue",
     )
     max_queue: int = setting(256, "requests waiting beyond the running ones before RESOURCE_EXHAUSTED")
+    max_queued_per_tenant: int | None = setting(
+        None,
+        "requests of one tenant waiting beyond max_num_seqs running before its next one gets RESOURCE_EXHAUSTED "
+        "(HTTP 429), so that one tenant cannot fill --max-queue for the others (default: only --max-queue applies)",
+    )
+    fair_admission: bool = setting(
+        True,
+        "admit waiting requests fairly across tenants (weighted fair queuing over the tokens computed for each, "
+        "and a tenant under its share of max_num_seqs takes a place from the tenant furthest over its share); "
+        "--no-fair-admission admits them in arrival order (priority first)",
+    )
     batch_window_ms: float = setting(0.0, "wait this long after an arrival to gather a burst into one step")
     enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
     kv_disk_dir: str | None = setting(
@@ -136,6 +147,10 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
             (self.max_n >= 1, "max_n must be at least 1"),
+            (
+                self.max_queued_per_tenant is None or self.max_queued_per_tenant >= 0,
+                "max_queued_per_tenant must be >= 0",
+            ),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
             (self.kv_disk_gb > 0, "kv_disk_gb must be > 0"),
             (

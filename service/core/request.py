@@ -19,11 +19,39 @@ from service.errors import InvalidArgument
 MAX_LABEL_CHARS = 128
 LABEL = re.compile(rf"[A-Za-z0-9._:/+=@~-]{{1,{MAX_LABEL_CHARS}}}")
 MAX_CACHE_SALT_CHARS = 256
+# A request's priority among its tenant's requests: lower comes first (vLLM's convention), 0 by default.
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+DEFAULT_TENANT_NAME = "default"
 
 
 def check_cache_salt(salt: str) -> None:
     if len(salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument("cache_salt", f"at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+    if "\x00" in salt:  # the separator of a tenant's own salts (Tenant.cache_salt): no client salt can be one
+        raise InvalidArgument("cache_salt", "must not contain the NUL character")
+
+
+def check_priority(priority: int) -> None:
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidArgument("priority", f"must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request is served for. Admission is fair across tenants in proportion to their weights; with
+    own_cache, the tenant's requests never share cached KV blocks with another tenant's."""
+
+    name: str = DEFAULT_TENANT_NAME
+    weight: float = 1.0
+    own_cache: bool = False
+
+    def cache_salt(self, salt: str) -> str:
+        """The salt the prefix cache is keyed by: the client's, within the tenant's own cache if it has one
+        (client salts hold no NUL and tenant names no NUL, so no two (tenant, salt) pairs give one salt)."""
+        return f"{salt}\x00{self.name}" if self.own_cache else salt
+
+
+DEFAULT_TENANT = Tenant()
 
 
 SESSION_KEY = "x-session-id"  # gRPC metadata and HTTP header: the conversation, for load balancers
@@ -89,6 +117,9 @@ class Request:
     params: SamplingParams
     label: str = ""
     cache_salt: str = ""  # requests with different salts never share cached KV blocks
+    tenant: str = DEFAULT_TENANT_NAME  # admission is fair across tenants (FairQueue)
+    tenant_weight: float = 1.0
+    priority: int = 0  # among its tenant's waiting requests: lower first
     deadline: float | None = None  # time.monotonic() value
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING

@@ -1,12 +1,16 @@
 """Iteration-level continuous batching under one token budget per step.
 
 Every request has num_tokens (prompt + generated) and num_computed_tokens; each step shares the token
-budget out, running requests first, then waiting ones in arrival order. A prompt is computed in pieces
+budget out, running requests first, then waiting ones in the order the fair queue gives (fair across
+tenants, by priority within one: fair_queue.py). A prompt is computed in pieces
 as large as the budget leaves, side by side with other requests' decode tokens, and drafts never take
 the room of the pieces planned after them. A waiting request is admitted only while
 each running request keeps the blocks for the rest of its prompt and one more to grow into. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
-(mostly from the prefix cache).
+(mostly from the prefix cache). A waiting request whose tenant runs fewer requests than its share of
+max_num_seqs (by weight, among the tenants with work) takes the place of the newest running request of the
+tenant furthest over its share when there is no free place for it: one tenant's burst cannot hold every
+place while another's request waits.
 
 With a disk tier, a waiting request's prefix chain continues past its RAM hit into the disk, and with a
 remote tier past the disk into the fleet's store (tried rather than known: the fetch finds out how far the
@@ -28,12 +32,12 @@ freeing its blocks. `requests` holds every request it has not finished.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.core.config import EngineConfig
+from service.core.fair_queue import FairQueue
 from service.core.kv_cache import KVCacheManager, PrefixHit
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
@@ -134,7 +138,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv = kv
         self.requests: dict[int, Request] = {}  # every request not finished, by id
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue(config.fair_admission)
         self.running: list[Request] = []
         self.disk = disk
         self.loading: dict[int, Load] = {}  # by request id; a finished request stays until its load ends
@@ -152,7 +156,7 @@ class Scheduler:
             raise ValueError(f"request id {request.id} is already in the scheduler")
         self.requests[request.id] = request
         request.draft_stats = self.policy.new_stats()
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -164,8 +168,9 @@ class Scheduler:
             return
         if request in self.running:
             self.running.remove(request)
-        if request in self.waiting:
+        if request.status is Status.WAITING:
             self.waiting.remove(request)
+        self.waiting.forget(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
         if request.id not in self.loading:  # blocks being restored into are freed when their load ends
@@ -260,7 +265,7 @@ class Scheduler:
         pieces = {r.id: self._piece(r, r.num_computed_tokens, largest) for r in self.running if self._prefills(r)}
         pieces_after = sum(pieces.values())
         if self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
-            pieces_after += self._piece(self.waiting[0], 0, largest)
+            pieces_after += self._piece(next(iter(self.waiting)), 0, largest)
         for request in list(self.running):
             if budget == 0:
                 break
@@ -280,6 +285,7 @@ class Scheduler:
                 if not self.kv.allocate(request.id, target, keep_free=reserve):
                     drafts = ()
             plan.chunks.append(self._chunk(request, num_new, drafts))
+            self.waiting.charge(request, num_new + len(drafts))
             budget -= num_new + len(drafts)
         if not plan.preempted:
             self._admit_waiting(budget, plan)
@@ -305,15 +311,18 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> int:
+        """Free a running request's blocks and queue it again; the tokens its chunk in this plan had."""
         self.running.remove(request)
         self.kv.free(request.id)
         request.status = Status.WAITING
         request.num_computed_tokens = 0
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add(request)
         plan.preempted.append(request)
+        num_tokens = sum(c.num_tokens for c in plan.chunks if c.request is request)
         plan.chunks = [c for c in plan.chunks if c.request is not request]
+        return num_tokens
 
     def _admit_waiting(self, budget: int, plan: StepPlan) -> None:
         # admit only if every running (or soon running) request can still finish its prompt and take one more
@@ -322,20 +331,28 @@ class Scheduler:
         if not self.waiting:
             return
         keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
-        for request in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
+        for request in self.waiting:
+            if budget <= 0:
                 break
             if self._waits_for_leader(request):
                 continue
+            if self._full():
+                budget += self._make_place(request, plan) or 0
+                if self._full():
+                    break
+                keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
             prefix = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
             below = self._below_ram(request, prefix.num_tokens)
             if below is None:
                 continue  # another request is restoring its blocks: it waits for that load to end
-            admitted = self._allocate(request, prefix, below, budget, keep_free)
-            if admitted is None:
-                break  # wait for blocks to be freed; first come, first served
+            while (admitted := self._allocate(request, prefix, below, budget, keep_free)) is None:
+                freed = self._make_place(request, plan)
+                if freed is None:
+                    return  # wait for blocks to be freed; the next in line first
+                budget += freed
+                keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
             to_load, num_new = admitted
-            self.waiting.remove(request)
+            self.waiting.admitted(request)
             if self.disk is not None:  # the RAM hit's disk copies were used too: not the ones to drop first
                 self.disk.touch([b.digest for b in prefix.blocks if b.digest is not None])
             request.num_computed_tokens = prefix.num_tokens
@@ -354,6 +371,7 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             plan.chunks.append(self._chunk(request, num_new))
+            self.waiting.charge(request, num_new)
             budget -= num_new
             keep_free += self._blocks_to_grow(request)
 
@@ -366,6 +384,36 @@ class Scheduler:
             return False
         shared = (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
         return leader.num_computed_tokens < shared
+
+    def _full(self) -> bool:
+        return len(self.running) + len(self.loading) >= self.max_num_seqs
+
+    def _make_place(self, request: Request, plan: StepPlan) -> int | None:
+        """Preempt the newest running request of the tenant furthest over its share of max_num_seqs, when
+        request's tenant is under its own share (shares by weight among the tenants with work); the budget the
+        victim's chunk in this plan had. None when nothing is preempted (then the request waits its turn)."""
+        if not self.waiting.fair:
+            return None
+        counts: dict[str, int] = {request.tenant: 0}
+        weights: dict[str, float] = {request.tenant: request.tenant_weight}
+        for r in [*self.running, *(load.request for load in self.loading.values())]:
+            counts[r.tenant] = counts.get(r.tenant, 0) + 1
+            weights[r.tenant] = r.tenant_weight
+        for tenant, weight in self.waiting.tenants().items():
+            counts.setdefault(tenant, 0)
+            weights.setdefault(tenant, weight)
+        total = sum(weights.values())
+
+        def excess(tenant: str) -> float:  # places held beyond the tenant's share (negative: under it)
+            return counts[tenant] - self.max_num_seqs * weights[tenant] / total
+
+        if excess(request.tenant) > -1:  # one more would take it past its share
+            return None
+        over = max(counts, key=lambda t: (excess(t), t != request.tenant))
+        victims = [r for r in self.running if r.tenant == over]
+        if excess(over) <= 0 or not victims:
+            return None
+        return self._preempt(victims[-1], plan)
 
     def _growing(self) -> list[Request]:
         """The requests that hold blocks and will grow: the running ones and those whose blocks a load restores."""

@@ -16,6 +16,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +25,7 @@ from service.core.config import EngineConfig
 from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
 from service.core.outputs import RequestOutput
 from service.core.reasoning import ReasoningSplitter, after_reasoning, starts_inside
-from service.core.request import Request, check_cache_salt, check_label, check_prompt
+from service.core.request import Request, check_cache_salt, check_label, check_priority, check_prompt
 from service.core.stats import EngineStats, ModelInfo
 from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.core import EngineCore, EngineOutput
@@ -64,6 +65,7 @@ class Engine:
             (self.model.path / "tokenizer.json").read_text(), self.info.vocab_size, self.info.eos_token_ids
         )
         self._streams: dict[int, _Stream] = {}  # by request id; written on callers' loops, read by the engine
+        self._in_flight: Counter[str] = Counter()  # requests with a stream, by tenant
         self._ids = itertools.count(1)
         self._death_listeners: list[Callable[[], None]] = []
         self.died = False
@@ -125,6 +127,7 @@ class Engine:
         replies = {}
         for index, request in enumerate(requests):
             self._streams[request.id] = stream
+            self._in_flight[request.tenant] += 1
             replies[request.id] = ReplyAssembler(
                 request.label,
                 request.num_prompt_tokens,
@@ -158,6 +161,9 @@ class Engine:
         finally:
             for request in requests:
                 del self._streams[request.id]
+                self._in_flight[request.tenant] -= 1
+                if not self._in_flight[request.tenant]:
+                    del self._in_flight[request.tenant]
             for request_id in running:
                 self.core.abort(request_id)
 
@@ -195,6 +201,7 @@ class Engine:
         if label is not None:
             check_label(label)
         check_cache_salt(cache_salt)
+        check_priority(asked.priority)
         if not self._accepting:
             raise Unavailable("the engine is not serving (loading, stopped or draining)")
         check_prompt(prompt, prompt_field, self.info.max_model_len, self.info.vocab_size)
@@ -207,6 +214,7 @@ class Engine:
                 f"{len(self._streams)} requests in flight and {len(matchers)} asked for; the limit is "
                 f"{self.config.max_num_seqs} running + {self.config.max_queue} queued"
             )
+        self._check_tenant_queue(asked.tenant.name, len(matchers))
         params = replace(params, eos_token_ids=self.info.eos_token_ids)
         deadline = time.monotonic() + timeout if timeout is not None else None
         label = label or uuid.uuid4().hex
@@ -218,13 +226,26 @@ class Engine:
                 list(prompt),
                 replace(params, seed=seed),
                 label,
-                cache_salt=cache_salt,
+                cache_salt=asked.tenant.cache_salt(cache_salt),
+                tenant=asked.tenant.name,
+                tenant_weight=asked.tenant.weight,
+                priority=asked.priority,
                 deadline=deadline,
                 matcher=matcher,
                 leader=requests[0] if requests else None,
             )
             requests.append(request)
         return requests
+
+    def _check_tenant_queue(self, tenant: str, asked: int) -> None:
+        """QueueFull when the tenant's requests in flight and the `asked` ones (n candidates) would pass what
+        --max-queued-per-tenant allows: one tenant cannot fill the queue that every tenant shares."""
+        queued = self.config.max_queued_per_tenant
+        if queued is not None and self._in_flight[tenant] + asked > self.config.max_num_seqs + queued:
+            raise QueueFull(
+                f"tenant {tenant} has {self._in_flight[tenant]} requests in flight and {asked} asked for; the limit "
+                f"per tenant is {self.config.max_num_seqs} running + {queued} queued (max_queued_per_tenant)"
+            )
 
     # -- engine thread ---------------------------------------------------------------------------------
     def _publish(self, outputs: list[EngineOutput]) -> None:

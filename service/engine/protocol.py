@@ -10,6 +10,7 @@ from typing import Protocol
 from service.core.grammar import ResponseFormat
 from service.core.outputs import RequestOutput
 from service.core.params import SamplingParams
+from service.core.request import DEFAULT_TENANT, Tenant
 from service.core.stats import EngineStats, ModelInfo
 from service.core.tools import Tools
 from service.engine.tokenizer import Tokenizer
@@ -22,7 +23,9 @@ class GenerationRequest:
     grammar; active tools (already rendered into the prompt) constrain the reply's calls and come back parsed.
     request_id is the caller's label (a new one when None); timeout is in seconds from now. reasoning: the reply
     may open with a reasoning block (serving.prompt.reasons), returned apart from its text. n candidates are
-    generated for the one prompt, candidate i with seed + i; their outputs carry their index."""
+    generated for the one prompt, candidate i with seed + i; their outputs carry their index. tenant: who it is
+    served for (fair admission, the per-tenant queue limit, the tenant's own prefix cache); priority orders it
+    among its tenant's waiting requests, lower first."""
 
     prompt_token_ids: Sequence[int]
     params: SamplingParams
@@ -34,6 +37,8 @@ class GenerationRequest:
     tools: Tools | None = None
     reasoning: bool = False
     n: int = 1
+    tenant: Tenant = DEFAULT_TENANT
+    priority: int = 0
 
 
 class EngineClient(Protocol):

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from importlib import resources
 from typing import Any, Protocol, TypeVar
 
@@ -28,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from service.config import ServerConfig, hosts, origins
 from service.core import json_input
 from service.core.outputs import RequestOutput
-from service.core.request import SESSION_KEY, session_key
+from service.core.request import SESSION_KEY, Tenant, session_key
 from service.core.stats import ModelInfo
 from service.engine import EngineClient, GenerationRequest
 from service.engine.tokenizer import Tokenizer
@@ -39,7 +40,7 @@ from service.http.host_check import HostCheck, is_loopback
 from service.http.responses_in import parse_responses
 from service.http.responses_out import ResponseReply
 from service.metrics import Metrics, TokenClocks
-from service.serving.auth import bearer_matches
+from service.serving.auth import Auth
 from service.serving.call import Call
 from service.serving.prompt import encode, reasons
 from service.serving.state import Serving
@@ -235,19 +236,20 @@ MakeReply = Callable[[Any, str, str, Callable[[int], str]], Reply]
 
 class Api:
     def __init__(
-        self, serving: Serving, metrics: Metrics, token: str | None, max_body_bytes: int, allowed_origins: str = ""
+        self, serving: Serving, metrics: Metrics, auth: Auth, max_body_bytes: int, allowed_origins: str = ""
     ) -> None:
         self.serving, self.metrics, self.max_body_bytes = serving, metrics, max_body_bytes
         self.allowed_origins = origins(allowed_origins)
-        self.token = token.encode() if token else None
+        self.auth = auth
         self.created = int(time.time())
 
-    def authorize(self, request: Request) -> None:
-        if self.token is None:
-            return
+    def authorize(self, request: Request) -> Tenant:
+        """The tenant whose key the request carries (the default tenant when the server has no keys)."""
         given = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes
-        if not bearer_matches(given, self.token):
-            raise Unauthenticated("missing or wrong bearer token (Authorization: Bearer <token>)")
+        tenant = self.auth.tenant_of(given)
+        if tenant is None:
+            raise Unauthenticated("missing or wrong bearer token (Authorization: Bearer <key>)")
+        return tenant
 
     # -- generation --------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -269,7 +271,7 @@ class Api:
             return refuse(call, exc)
         stream = engine.generate(asked)
         reply = make_reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
-        clock = TokenClocks(self.metrics, call.started)
+        clock = TokenClocks(self.metrics, call.started, call.tenant_name)
         try:
             outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))
         except BaseException as exc:
@@ -292,7 +294,7 @@ class Api:
     ) -> tuple[EngineClient, openai_in.ApiRequest, GenerationRequest]:
         """Everything checked before the engine sees the request; the token before the body is read."""
         refuse_other_origins(request, self.allowed_origins)
-        self.authorize(request)
+        call.tenant = tenant = self.authorize(request)
         call.label(request.headers.get(REQUEST_ID_HEADER), REQUEST_ID_HEADER)
         call.session_id = session_key(request.headers.getlist(SESSION_KEY))
         body = await read_json(request, self.max_body_bytes)
@@ -305,7 +307,7 @@ class Api:
             asked = parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len, reasoning)
         except InvalidArgument as exc:  # named as this request calls the field (a Responses input item)
             raise parsed.renamed(exc) from None
-        return engine, parsed, asked
+        return engine, parsed, replace(asked, tenant=tenant)
 
     async def events(
         self,
@@ -346,7 +348,7 @@ class Api:
     async def models(self, request: Request) -> Response:
         call = Call(self.serving, self.metrics, "http", "models")
         try:
-            self.authorize(request)
+            call.tenant = self.authorize(request)
             info = self.serving.require_engine().info
             if "model" in request.path_params:
                 check_model(request.path_params["model"], info)
@@ -384,11 +386,9 @@ class Api:
         return JSONResponse(body, status, headers)
 
 
-def build_app(
-    serving: Serving, metrics: Metrics, token: str | None, config: ServerConfig, bound_address: str
-) -> Starlette:
+def build_app(serving: Serving, metrics: Metrics, auth: Auth, config: ServerConfig, bound_address: str) -> Starlette:
     """bound_address: the address the HTTP socket listens on (a name in --host may resolve to loopback)."""
-    api = Api(serving, metrics, token, config.max_message_bytes, config.allowed_origins)
+    api = Api(serving, metrics, auth, config.max_message_bytes, config.allowed_origins)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),

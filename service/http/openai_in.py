@@ -60,9 +60,12 @@ EXTENSIONS = (
 )
 # Our own extensions.
 OWN_EXTENSIONS = ("speculation",)
+# vLLM's `priority` (lower is admitted first, among the tenant's own requests): taken as vLLM takes it.
+SCHEDULING = ("priority",)
 COMMON = (
     *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
     *("presence_penalty", "frequency_penalty", "logprobs", "best_of", "logit_bias", *EXTENSIONS, *OWN_EXTENSIONS),
+    *SCHEDULING,
 )
 CHAT_FIELDS = frozenset(
     (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice")
@@ -107,6 +110,7 @@ class ApiRequest:
     max_tokens_given: bool = False  # the client set max_tokens (or max_completion_tokens)
     enable_thinking: bool | None = None  # chat_template_kwargs.enable_thinking; None: the template's default
     n: int = 1  # candidates (choices); its range is the engine's check
+    priority: int = 0
 
     def generation_request(
         self, ids: list[int], field: str, label: str | None, max_model_len: int, reasoning: bool = False
@@ -131,6 +135,7 @@ class ApiRequest:
             tools=self.tools,
             reasoning=reasoning,
             n=self.n,
+            priority=self.priority,
         )
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
@@ -303,6 +308,7 @@ def _call(
         structure,
         max_tokens_given=max_tokens is not None,
         n=1 if n is None else n,
+        priority=_int(fields, "priority") or 0,
     )
 
 

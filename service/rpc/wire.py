@@ -34,7 +34,9 @@ from service.serving.prompt import encode, reasons, the_one_input
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "enable_thinking", "n")
+_NOT_OPTIONS = (
+    *("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "enable_thinking", "n", "priority"),
+)
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto SamplingParams; unset ones keep
 # the server's defaults.
@@ -213,6 +215,7 @@ def generation_request(
         tools=calls,
         reasoning=reasons(tokenizer, field == "messages", thinking),
         n=request.n if request.HasField("n") else 1,
+        priority=request.priority,
     )
 
 
