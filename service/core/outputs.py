@@ -20,6 +20,8 @@ class Usage:
     cached_prompt_tokens: int  # not computed: found in the RAM prefix cache or restored from disk
     disk_prompt_tokens: int = 0  # of the cached ones, those restored from the disk tier
     accepted_draft_tokens: int = 0  # of the completion tokens, speculative drafts the model kept
+    accepted_prediction_tokens: int = 0  # of those, drafts from the request's predicted output
+    rejected_prediction_tokens: int = 0  # drafts from the predicted output that the model did not keep
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from pathlib import Path
 from service.core.config import EngineConfig
 from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
 from service.core.outputs import RequestOutput
-from service.core.request import Request, check_cache_salt, check_label, check_prompt
+from service.core.request import Request, check_cache_salt, check_label, check_prediction, check_prompt
+from service.core.spec import Prediction
 from service.core.stats import EngineStats, ModelInfo
 from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.core import EngineCore, EngineOutput
@@ -163,6 +164,7 @@ class Engine:
         if not self._accepting:
             raise Unavailable("the engine is not serving (loading, stopped or draining)")
         check_prompt(prompt, prompt_field, self.info.max_model_len, self.info.vocab_size)
+        check_prediction(asked.prediction, self.info.max_model_len, self.info.vocab_size)
         params.validate(self.info.max_new_tokens_limit, self.info.vocab_size)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("the deadline passed before the request was queued")
@@ -182,6 +184,7 @@ class Engine:
             cache_salt=cache_salt,
             deadline=deadline,
             matcher=matcher,
+            prediction=Prediction(asked.prediction, len(prompt)) if asked.prediction else None,
         )
 
     # -- engine thread ---------------------------------------------------------------------------------
@@ -229,5 +232,6 @@ def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> EngineO
             token_ids=out.token_ids + later.token_ids,
             logprobs=out.logprobs + later.logprobs,
             drafted=out.drafted + later.drafted,
+            predicted=out.predicted + later.predicted,
         )
     return out

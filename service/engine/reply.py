@@ -29,6 +29,7 @@ class ReplyAssembler:
         self.parser = ReplyParser(decode, call_ids, params.stop, params.include_stop_str_in_output)
         self.num_tokens = 0
         self.num_drafts = 0
+        self.num_predicted = 0
         self.first_token_time: float | None = None
         self.finished = False
         self.stopped_by_text = False  # a stop string ended the reply before the engine did
@@ -43,6 +44,7 @@ class ReplyAssembler:
         token_ids, logprobs = out.token_ids[:kept], out.logprobs[:kept]
         self.num_tokens += len(token_ids)
         self.num_drafts += sum(out.drafted[:kept])
+        self.num_predicted += sum(out.predicted[:kept])
         if token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()
         finish = out.finish_reason
@@ -66,6 +68,8 @@ class ReplyAssembler:
                 out.num_cached_tokens,
                 out.num_restored_tokens,
                 self.num_drafts,
+                self.num_predicted,
+                out.num_rejected_predicted,
             )
             timings = self._timings(out.queue_seconds)
         return RequestOutput(self.label, tuple(token_ids), text, tuple(logprobs), finish, usage, timings, tuple(calls))

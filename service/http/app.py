@@ -39,7 +39,7 @@ from service.http.host_check import HostCheck, is_loopback
 from service.metrics import Metrics, TokenClock
 from service.serving.auth import bearer_matches
 from service.serving.call import Call
-from service.serving.prompt import encode
+from service.serving.prompt import encode, encode_prediction
 from service.serving.state import Serving
 
 log = logging.getLogger("service.http")
@@ -126,8 +126,13 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
         raise CrossOrigin(f"a page of another origin ({shown}) cannot call this API from a browser")
 
 
-def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
-    """The request's input as token ids, and the field it came from (for errors)."""
+def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str, list[int]]:
+    """The request's input as token ids, the field it came from (for errors), and its predicted output's ids."""
+    ids, field = _input_ids(tokenizer, parsed)
+    return ids, field, encode_prediction(tokenizer, parsed.prediction)
+
+
+def _input_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
     if parsed.messages is not None:
         return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools), "messages"
     if isinstance(parsed.prompt, str):
@@ -262,8 +267,10 @@ class Api:
         engine = self.serving.require_engine()
         parsed = parse(body, engine.info)
         check_model(parsed.model, engine.info)
-        ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)  # a long prompt takes seconds
-        return engine, parsed, parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len)
+        # a long prompt takes seconds
+        ids, field, predicted = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)
+        asked = parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len, predicted)
+        return engine, parsed, asked
 
     async def events(
         self,

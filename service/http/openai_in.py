@@ -41,7 +41,6 @@ UNSUPPORTED = {
     "audio": "audio output is not supported",
     "modalities": "only ['text'] is supported",
     "logit_bias": "logit_bias is not supported",
-    "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported",
@@ -62,7 +61,7 @@ EXTENSIONS = (
 # Our own extensions.
 OWN_EXTENSIONS = ("speculation",)
 COMMON = (
-    *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
+    *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "prediction"),
     *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS, *OWN_EXTENSIONS),
 )
 CHAT_FIELDS = frozenset(
@@ -78,6 +77,8 @@ JSON_SCHEMA_FIELDS = frozenset(("name", "description", "schema", "strict"))
 TOOL_FIELDS = frozenset(("type", "function"))
 FUNCTION_FIELDS = frozenset(("name", "description", "parameters", "strict"))
 TOOL_CHOICE_FIELDS = frozenset(("type", "function"))
+PREDICTION_FIELDS = frozenset(("type", "content"))
+TEXT_PART_FIELDS = frozenset(("type", "text"))
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's structured_outputs (its successor of guided_json / guided_regex / guided_choice): one of these keys
 STRUCTURED_OUTPUTS = ("json", "regex", "choice")
@@ -101,11 +102,13 @@ class ApiRequest:
     response_format: ResponseFormat | None = None
     tools: Tools | None = None
     max_tokens_given: bool = False  # the client set max_tokens (or max_completion_tokens)
+    prediction: str | None = None  # the predicted output's text
 
     def generation_request(
-        self, ids: list[int], field: str, label: str | None, max_model_len: int
+        self, ids: list[int], field: str, label: str | None, max_model_len: int, predicted: list[int] | None = None
     ) -> GenerationRequest:
-        """What the engine is asked, with the input encoded (serving.prompt) and the request's id. A prompt and
+        """What the engine is asked, with the input (and the predicted output) encoded (serving.prompt) and the
+        request's id. A prompt and
         max_tokens that together exceed the context are refused, as OpenAI and vLLM refuse them; without
         max_tokens the reply may fill the context."""
         wanted = self.params.max_new_tokens
@@ -123,6 +126,7 @@ class ApiRequest:
             cache_salt=self.cache_salt,
             response_format=self.response_format,
             tools=self.tools,
+            prediction=predicted or (),
         )
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
@@ -273,10 +277,39 @@ def _call(
         include_usage,
         top_logprobs,
         salt,
-        names | {"min_new_tokens": "min_tokens"},
+        names | {"min_new_tokens": "min_tokens", "prediction": "prediction.content"},
         structure,
         max_tokens_given=max_tokens is not None,
+        prediction=prediction(fields),
     )
+
+
+def prediction(fields: Mapping[str, Any]) -> str | None:
+    """OpenAI's predicted output, {"type": "content", "content": text or an array of text parts}, as one text (the
+    parts concatenated: together they are the reply expected)."""
+    raw = fields.get("prediction")
+    if raw is None:
+        return None
+    given = _present(_object(raw, "prediction"), PREDICTION_FIELDS, "prediction")
+    if given.get("type") != "content":
+        raise InvalidArgument("prediction.type", f"must be 'content', got {_shown(given.get('type'))}")
+    content = given.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        shown = "an empty array" if content == [] else _kind(content)
+        raise InvalidArgument("prediction.content", f"must be a string or a non-empty array of text parts, got {shown}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"prediction.content[{j}]"
+        part = _present(_object(part, where), TEXT_PART_FIELDS, where)
+        if part.get("type") != "text":
+            raise InvalidArgument(f"{where}.type", f"must be 'text', got {_shown(part.get('type'))}")
+        text = _str(part, "text", where)
+        if text is None:
+            raise InvalidArgument(f"{where}.text", "is required (a string)")
+        texts.append(text)
+    return "".join(texts)
 
 
 def messages(raw: Any) -> list[dict[str, Any]]:
@@ -491,6 +524,11 @@ def _kind(value: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "nothing"}.get(
         type(value), "a number"
     )
+
+
+def _shown(value: Any) -> str:
+    """A client's value for a short field (a type name) in an error: quoted, and cut, if a string."""
+    return repr(value[:64]) if isinstance(value, str) else _kind(value)
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:

@@ -28,9 +28,14 @@ def usage(u: Usage) -> dict[str, Any]:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         # cached_tokens: not computed (RAM or disk); disk_tokens, our extension: of those, restored from disk
         "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens, "disk_tokens": u.disk_prompt_tokens},
-        # OpenAI's name for tokens of a predicted output that appeared in the completion; our predictions are
-        # the speculative drafts
-        "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_draft_tokens},
+        # OpenAI's: the predicted output's tokens that the model kept (they appear in the completion) and those it
+        # did not (verified and thrown away); accepted_draft_tokens, our extension: every kept draft, prompt
+        # lookup's too
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_prediction_tokens,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens,
+            "accepted_draft_tokens": u.accepted_draft_tokens,
+        },
     }
 
 

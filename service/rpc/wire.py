@@ -21,12 +21,12 @@ from service.core.tools import Mode, Tool, ToolChoice, Tools, joined_calls, temp
 from service.engine import GenerationRequest
 from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
-from service.serving.prompt import encode, the_one_input
+from service.serving.prompt import encode, encode_prediction, the_one_input
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "prediction")
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto SamplingParams; unset ones keep
 # the server's defaults.
@@ -200,6 +200,7 @@ def generation_request(
         cache_salt=request.cache_salt,
         response_format=response_format(request),
         tools=calls,
+        prediction=encode_prediction(tokenizer, request.prediction if request.HasField("prediction") else None),
     )
 
 
@@ -222,6 +223,8 @@ def usage_pb(usage: Usage) -> pb.Usage:
         cached_prompt_tokens=usage.cached_prompt_tokens,
         disk_prompt_tokens=usage.disk_prompt_tokens,
         accepted_draft_tokens=usage.accepted_draft_tokens,
+        accepted_prediction_tokens=usage.accepted_prediction_tokens,
+        rejected_prediction_tokens=usage.rejected_prediction_tokens,
     )
 
 

@@ -45,3 +45,8 @@ def encode(
             raise InvalidArgument(field, "must not be empty")
         return tokenizer.encode(text)
     return list(token_ids or ())
+
+
+def encode_prediction(tokenizer: Tokenizer, text: str | None) -> list[int]:
+    """A predicted output's token ids, as the reply would hold its text (no BOS in front). Empty: no prediction."""
+    return tokenizer.encode(text, add_special_tokens=False) if text else []
