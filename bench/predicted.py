@@ -3,15 +3,15 @@ lookup in the same run, at 1, 8 and 32 streams.
 
 The edit prompts (bench/prompts-edit.jsonl: rewrite, correct, translate keeping the quotations, repeat and
 continue) each end with the text to work on; a writing assistant sends that text as the prediction, since the
-reply is mostly that text with changes. Two engines load side by side and take turns on the same prompts,
+reply is mostly that text with changes. Three engines load side by side and take turns on the same prompts,
 greedy, stopping at eos, up to --max-new-tokens each (closed arrivals, as bench.speculative runs them):
 
 - `plain`: the server at its defaults (speculation off), requests without a prediction;
 - `lookup`: `--speculation auto` (prompt lookup, its warm-up's step table);
-- `predicted`: the default server, each request sending its own text as the prediction (drafts from it first,
-  prompt lookup where it has no guess; judged by the prior line, as on a server started with speculation off);
-- `wrong`: the default server, each request sending another prompt's text (the cost of a prediction that is
-  entirely wrong, against plain).
+- `predicted`: the default server, each request sending its own text as the prediction (its guesses or prompt
+  lookup's, whichever earned more; judged by the prior line, as on a server started with speculation off);
+- `wrong`: a second default server, each request sending another prompt's text (the cost of a prediction that
+  is entirely wrong, against plain; on its own server, so that what its guesses earn across requests is its own).
 
 Ratios are medians of per-round ratios against `plain`; also reported: the prediction tokens kept and rejected
 (usage) and how many greedy replies equal plain decoding's (all, with deterministic steps). The issue's targets:
@@ -98,11 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     texts = [tokenizer.encode(t, add_special_tokens=False) for t in original_texts(prompts)]
     right = {tuple(i): t for i, t in zip(ids, texts, strict=True)}
     wrong = {tuple(i): texts[(n + len(texts) // 2) % len(texts)] for n, i in enumerate(ids)}  # another prompt's
-    default = workers.our_engine(
-        {"model": a.model, "budget": workers.budget_dict(workers.BUDGET)},
-        prefix_caching=False,
-        settings={"prompt_lookup_max_ngram": a.ngram},
-    )
+    spec = {"model": a.model, "budget": workers.budget_dict(workers.BUDGET)}
+    settings = {"prompt_lookup_max_ngram": a.ngram}
+    default = workers.our_engine(spec, prefix_caching=False, settings=settings)
+    other = workers.our_engine(spec, prefix_caching=False, settings=settings)
     lookup = ours(a.model, default.config.speculative_tokens, a.ngram)
     counts: dict[str, dict[str, int]] = {}
 
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain": lambda: counted("plain", default, None),
         "lookup": lambda: counted("lookup", lookup, None),
         "predicted": lambda: counted("predicted", default, right),
-        "wrong": lambda: counted("wrong", default, wrong),
+        "wrong": lambda: counted("wrong", other, wrong),
     }
     try:
         for n in (int(s) for s in a.streams.split(",")):
@@ -134,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             result["streams"][str(n)] = summary
             print(json.dumps({k: v for k, v in summary.items() if k != "tokens_per_s"}, indent=1), flush=True)
     finally:
-        default.shutdown()
-        lookup.shutdown()
+        for engine in (default, other, lookup):
+            engine.shutdown()
     save(result, a.out)
     return 0
 

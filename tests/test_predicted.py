@@ -69,7 +69,6 @@ def test_greedy_replies_are_plain_decodings_whatever_the_prediction(smol):
     assert right.rejected_prediction_tokens <= right.accepted_prediction_tokens // 4, right
     for name in ("edited", "original"):  # text the reply skips or does not have: drafts go on after it
         assert 0 < usages[name].accepted_prediction_tokens < usages[name].completion_tokens, (name, usages[name])
-    assert usages["edited"].rejected_prediction_tokens > 0, usages["edited"]
     assert usages["wrong"].accepted_prediction_tokens <= 3, usages["wrong"]
     assert_no_blocks_held(engine)
 

@@ -14,7 +14,7 @@ from service.core.kv_cache import KVCacheManager
 from service.core.params import SamplingParams
 from service.core.request import Request, check_prediction
 from service.core.scheduler import Scheduler
-from service.core.spec import Guess, Prediction, StepTimes, accept_greedy
+from service.core.spec import DraftStats, Guess, Prediction, StepTimes, accept_greedy
 from service.core.spec.proposer import PREDICTED
 from service.core.stats import ModelInfo
 from service.errors import InvalidArgument
@@ -71,6 +71,15 @@ def test_after_leaving_the_prediction_a_match_after_that_place_is_taken_first():
     assert reply_of(back, [*text[:-1], 99, 12, 50], k=2).tokens == (13, 14)
 
 
+def test_one_common_token_realigns_only_close_to_where_the_reply_left():
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 50, 18, 19, 50, 20]
+    p = Prediction(text, len(PROMPT))
+    assert reply_of(p, [10, 11, 99, 50]) == Guess()  # 50 first occurs 6 tokens past the place: no guess
+    near = Prediction(text, len(PROMPT))
+    assert reply_of(near, [*text[:7], 99, 50], k=2).tokens == (18, 19)  # left at 17: 50 is next to it
+    assert reply_of(Prediction(text, len(PROMPT)), [10, 11, 99, 17, 50], k=2).tokens == (18, 19)  # two tokens
+
+
 def test_a_reply_unlike_the_prediction_gets_no_guesses_from_it():
     p = Prediction(TEXT, len(PROMPT))
     reply = []
@@ -84,6 +93,17 @@ def test_matches_start_at_tokens_however_their_bytes_line_up():
     p = Prediction(text, len(PROMPT))
     # [0x101, 0x1010000] as bytes also occurs across the first tokens' bytes: only the token-aligned match counts
     assert reply_of(p, [7, 0x00000101, 0x01010000]).tokens == (5, 6)
+
+
+def test_of_two_guesses_the_one_whose_kind_earned_more_is_taken():
+    stats = DraftStats()
+    lookup, predicted = Guess((1, 2, 3), 3), Guess((4, 5, 6), PREDICTED)
+    assert stats.best([predicted, lookup]) == predicted  # both judged by the prior: the first
+    assert stats.best([Guess((1,), 3), predicted]) == predicted  # one token against three
+    for _ in range(3):
+        stats.record(0, PREDICTED)  # the reply left the prediction's guesses at once, three times
+    assert stats.best([predicted, lookup]) == lookup
+    assert stats.best([]) == Guess()
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------
@@ -133,6 +153,16 @@ def test_prompt_lookup_guesses_where_the_prediction_has_no_guess():
     assert r.draft_stats.latest is not None and not r.draft_stats.latest.predicted
 
 
+def test_drafts_the_prediction_guessed_too_count_as_predicted_whichever_guess_was_taken():
+    s = scheduler()
+    r = decoding(s, [1, 2, 3, 4, 5, 6], prediction=[3, 4, 5, 9], first=3)
+    for _ in range(3):
+        r.draft_stats.record(0, PREDICTED + 1)  # the prediction's guesses of this kind earned nothing lately
+    chunk = s.schedule().chunks[0]
+    assert chunk.drafts == (4, 5, 6) and not r.draft_stats.latest.predicted  # lookup's guess was taken
+    assert chunk.predicted == 2  # 4 and 5: the prediction had them too
+
+
 def test_usage_counts_kept_and_rejected_predicted_drafts():
     s = scheduler(k=4)
     r = decoding(s, [1, 2, 3], prediction=[50, 51, 52, 53, 54, 55, 56])
@@ -165,19 +195,22 @@ def test_a_wrong_prediction_soon_gets_no_rows_and_a_right_one_gets_them_every_st
     s.max_model_len = 120
     text = [rng.randrange(60, 100) for _ in range(120)]
     r = decoding(s, [1, 2, 3], prediction=text, first=text[0] if right else 200)
-    drafted = []
+    drafted, predicted = [], []
     while s.running:
         plan = s.schedule()
         drafts = plan.chunks[0].drafts
         drafted.append(len(drafts))
+        predicted.append(plan.chunks[0].predicted)
         at = r.num_output_tokens
         model = text[at : at + len(drafts) + 1] if right else [rng.randrange(40, 80) for _ in range(len(drafts) + 1)]
         s.update(plan, [accept_greedy(drafts, model)])
     if right:
         # each kind of agreement starts from the prior (two drafts here) until its runs show it pays
-        assert min(drafted[10:-1]) == 4 and r.num_rejected_predicted == 0, drafted
+        assert min(drafted[10:-1]) == 4 and drafted == predicted and r.num_rejected_predicted == 0, drafted
     else:
-        assert sum(k > 0 for k in drafted) <= len(drafted) // 10 and r.num_accepted_predicted <= 1, drafted
+        # (rows of prompt lookup's guesses are not the prediction's: the random reply repeats itself at times)
+        assert sum(k > 0 for k in predicted) <= len(predicted) // 10 and r.num_accepted_predicted <= 1, predicted
+        assert r.num_rejected_predicted == sum(predicted) <= 12, predicted
 
 
 # -- the fields ------------------------------------------------------------------------------------------

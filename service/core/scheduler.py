@@ -401,9 +401,9 @@ class Scheduler:
 
     def _plan_drafts(self, budget: int) -> dict[int, tuple[tuple[int, ...], int]]:
         """Drafts for each decoding request that speculates, by request id, as many as the policy chooses
-        within its token limits, and how many of them are its prediction's. The guess is made first, so that the
-        number is chosen knowing it."""
-        candidates: list[tuple[Request, int, Guess]] = []
+        within its token limits, and how many of them, from the first, its predicted output guessed too (whichever
+        proposer's guess was taken). The guess is made first, so that the number is chosen knowing it."""
+        candidates: list[tuple[Request, int, tuple[Guess, Guess]]] = []
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1 or not self._speculates(request):
                 continue
@@ -416,22 +416,21 @@ class Scheduler:
                 candidates.append((request, limit, self._guess(request)))
         chosen = self.policy.choose([(r.draft_stats, limit) for r, limit, _ in candidates], self._step_load(budget))
         drafts: dict[int, tuple[tuple[int, ...], int]] = {}
-        for (request, _, guess), k in zip(candidates, chosen, strict=True):
+        for (request, _, (guess, predicted)), k in zip(candidates, chosen, strict=True):
             these = self._drafts(request, guess.tokens, k)
-            drafts[request.id] = these, min(len(these), len(guess.tokens)) if guess.predicted else 0
+            drafts[request.id] = these, _common_start(these, predicted.tokens)
         return drafts
 
-    def _guess(self, request: Request) -> Guess:
-        """The guess of a decoding request's next tokens: its predicted output's, else prompt lookup's. It is
-        also watched (DraftStats): guesses are judged while the request gets no drafts, so it gets them again as
-        soon as its reply copies."""
-        guess = Guess()
-        if request.prediction is not None:
-            guess = request.prediction.propose(request.all_token_ids, self.speculative_tokens)
-        if not guess.tokens:
-            guess = self.proposer.propose(request.all_token_ids, self.speculative_tokens)
+    def _guess(self, request: Request) -> tuple[Guess, Guess]:
+        """The guess of a decoding request's next tokens, prompt lookup's or its predicted output's, whichever its
+        kind says is worth more (DraftStats.best), and the predicted output's (empty without one). The guess is
+        also watched: guesses are judged while the request gets no drafts, so it gets them again as soon as its
+        reply copies."""
+        tokens, k = request.all_token_ids, self.speculative_tokens
+        predicted = request.prediction.propose(tokens, k) if request.prediction is not None else Guess()
+        guess = request.draft_stats.best([g for g in (predicted, self.proposer.propose(tokens, k)) if g.tokens])
         request.draft_stats.watch(request.num_tokens, guess)
-        return guess
+        return guess, predicted
 
     @staticmethod
     def _drafts(request: Request, guess: tuple[int, ...], k: int) -> tuple[int, ...]:
@@ -452,3 +451,11 @@ class Scheduler:
             if request.deadline is not None and now >= request.deadline:
                 self.finish(request)
                 plan.expired.append(request)
+
+
+def _common_start(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens a and b share from their first."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

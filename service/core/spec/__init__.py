@@ -1,5 +1,5 @@
-"""Speculative decoding, one owner: a proposer guesses a decoding request's next tokens (proposer.py: prompt
-lookup; prediction.py: the client's predicted output, first where it has a guess), the
+"""Speculative decoding, one owner: proposers guess a decoding request's next tokens (proposer.py: prompt
+lookup; prediction.py: the client's predicted output; DraftStats.best takes the guess worth more), the
 draft policy decides how many of them each request's step carries (policy.py, from what its guesses earned,
 acceptance.py, and one warm-up table of step times), and verification keeps the agreeing run (verify.py;
 sampler.verify for sampled requests). The scheduler calls DraftPolicy and Proposer; nothing here imports it.

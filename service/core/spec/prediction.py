@@ -18,6 +18,9 @@ from service.core.spec.proposer import LONGEST_MATCH, PREDICTED, Guess
 
 # The reply's latest tokens looked for in the prediction after it left it, longest first
 MAX_NGRAM = 4
+# A single token is too common a match to trust (" the", ","), except this close after where the reply left the
+# prediction: a word replaced or inserted, and the reply back on the prediction's text
+NEAR = 4
 
 
 class Prediction:
@@ -53,11 +56,11 @@ class Prediction:
 
     def _realign(self, reply: Sequence[int]) -> None:
         """Find the reply's latest tokens in the prediction: an occurrence that ends after where the reply left
-        it first (the nearest), else the latest before; the longest suffix first."""
+        it first (the nearest), else the latest before; the longest suffix first, one token only NEAR after."""
         for forward in (True, False):
             for n in range(min(MAX_NGRAM, len(reply)), 0, -1):
                 end = self._find(array("i", reply[-n:]).tobytes(), n, forward)
-                if end is not None:
+                if end is not None and (n > 1 or forward and end <= self.left_at + NEAR):
                     self.at, self.agreed = end, self._agreement(reply, end, n)
                     return
 
