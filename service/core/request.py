@@ -111,9 +111,9 @@ class Request:
     num_restored_tokens: int = 0  # of those, the ones restored from the disk tier
     draft_stats: DraftStats = field(default_factory=DraftStats)  # speculative decoding: what its drafts earned
     num_accepted_drafts: int = 0  # output tokens that were drafts the model kept
-    prediction: Prediction | None = None  # the client's predicted output: drafts first from it
-    num_accepted_predicted: int = 0  # of the kept drafts in the output, those from the prediction
-    num_rejected_predicted: int = 0  # drafts from the prediction that the model did not keep
+    prediction: Prediction | None = None  # the client's predicted output: a proposer beside prompt lookup
+    num_accepted_predicted: int = 0  # of the kept drafts in the output, those the prediction guessed
+    num_rejected_predicted: int = 0  # drafts the prediction guessed that the model did not keep
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)

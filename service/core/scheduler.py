@@ -39,7 +39,7 @@ from service.core.stop import stop_reason
 class ScheduledChunk:
     """num_tokens tokens of request from position start: its own tokens, then any draft tokens to verify.
     sample is True when the chunk reaches the request's last token, so its logits are wanted: one row,
-    or one per draft plus one. The first `predicted` drafts are the request's predicted output's."""
+    or one per draft plus one. The first `predicted` drafts are also its predicted output's guess (usage)."""
 
     request: Request
     start: int

@@ -25,11 +25,6 @@ class Guess:
     tokens: tuple[int, ...] = ()
     kind: int = 0
 
-    @property
-    def predicted(self) -> bool:
-        """Whether the guess is the client's predicted output's (usage counts its drafts apart)."""
-        return self.kind >= PREDICTED
-
 
 class Proposer(Protocol):
     def propose(self, token_ids: Sequence[int], k: int) -> Guess:
