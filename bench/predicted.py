@@ -7,11 +7,15 @@ reply is mostly that text with changes. Three engines load side by side and take
 greedy, stopping at eos, up to --max-new-tokens each (closed arrivals, as bench.speculative runs them):
 
 - `plain`: the server at its defaults (speculation off), requests without a prediction;
-- `lookup`: `--speculation auto` (prompt lookup, its warm-up's step table);
-- `predicted`: the default server, each request sending its own text as the prediction (its guesses or prompt
-  lookup's, whichever earned more; judged by the prior line, as on a server started with speculation off);
-- `wrong`: a second default server, each request sending another prompt's text (the cost of a prediction that
-  is entirely wrong, against plain; on its own server, so that what its guesses earn across requests is its own).
+- `lookup`: a server with `--speculation auto` (prompt lookup, judged by its warm-up's step table);
+- `predicted`: the same server, each request sending its own text as the prediction (its guesses or prompt
+  lookup's, whichever earned more);
+- `wrong`: a second such server, each request sending another prompt's text (the cost of a prediction that is
+  entirely wrong; on its own server, so that what its guesses earn across requests is its own).
+
+With `--server default`, `predicted` runs on the default server and `wrong` on a second one: speculation off, so
+no step table is measured at warm-up and drafts are judged by the prior line (a server that takes predictions
+without having turned prompt lookup on).
 
 Ratios are medians of per-round ratios against `plain` (and `wrong` against `lookup`: a request with a wrong
 prediction still gets lookup's drafts, so against plain it can gain); also reported: the prediction tokens kept
@@ -95,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-stream", type=int, default=2, help="prompts each stream sends per round")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--ngram", type=int, default=3, help="prompt lookup's longest n-gram (both engines)")
+    p.add_argument(
+        "--server",
+        choices=("auto", "default"),
+        default="auto",
+        help="the server predictions go to: --speculation auto (the lookup server) or the defaults",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
     prompts = run.load_prompts(WORKLOADS["edit"])
@@ -105,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"model": a.model, "budget": workers.budget_dict(workers.BUDGET)}
     settings = {"prompt_lookup_max_ngram": a.ngram}
     default = workers.our_engine(spec, prefix_caching=False, settings=settings)
-    other = workers.our_engine(spec, prefix_caching=False, settings=settings)
     lookup = ours(a.model, default.config.speculative_tokens, a.ngram)
+    if a.server == "auto":
+        served, other = lookup, ours(a.model, default.config.speculative_tokens, a.ngram)
+    else:
+        served, other = default, workers.our_engine(spec, prefix_caching=False, settings=settings)
     counts: dict[str, dict[str, int]] = {}
 
     def counted(name: str, engine: Engine, predictions: Predictions | None) -> Serve:
@@ -119,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         "speculative_tokens": default.config.speculative_tokens,
         "speculative_max_seqs": default.config.speculative_max_seqs,
         "requests_per_stream": a.requests_per_stream,
+        "predictions_on": a.server,
         "load_before": os.getloadavg(),
         "streams": {},
     }
     make: dict[str, Callable[[], Serve]] = {
         "plain": lambda: counted("plain", default, None),
         "lookup": lambda: counted("lookup", lookup, None),
-        "predicted": lambda: counted("predicted", default, right),
+        "predicted": lambda: counted("predicted", served, right),
         "wrong": lambda: counted("wrong", other, wrong),
     }
     try:
