@@ -9,7 +9,7 @@ RUNTIME   := $(VENV)/.installed-runtime
 CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 
-.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-tenants clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-tenants bench-predicted clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -147,6 +147,12 @@ bench-speculative: $(STAMP) $(MODEL)/manifest.json
 bench-speculative-quick: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8,32 --rounds 3 --requests-per-stream 2 --max-new-tokens 128 \
 		--ours-only --out bench/results-speculative/quick.json
+
+# Predicted outputs on the edit workload (each prompt's own text as its prediction, and another's: entirely wrong)
+# against plain decoding and prompt lookup in the same run, at 1, 8 and 32 streams (docs/SPECULATIVE.md).
+bench-predicted: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.predicted $(MODEL) --streams 1,8,32 --rounds 3 --requests-per-stream 2 --max-new-tokens 128 \
+		--out bench/results-speculative/predicted.json
 
 # Deterministic steps (the default) against fast ones (--no-deterministic): identical greedy replies across cache
 # state, load and speculation, time to the first token of 2,000 tokens, throughput at 1, 8 and 32 streams.

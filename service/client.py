@@ -33,7 +33,7 @@ from service.api.ovserve.v1 import ovserve_pb2_grpc as pb_grpc
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto sampling options (the server's
 # wire module reads the same descriptor); unset ones keep the server's defaults.
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")  # n is an option
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "prediction")  # n: an option
 OPTIONS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.has_presence and f.name not in _NOT_OPTIONS)
 
 
@@ -50,11 +50,12 @@ def build_request(
     tool_choice: pb.ToolChoice | None = None,
     speculation: str | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    prediction: str | None = None,
     **options,
 ) -> pb.GenerateRequest:
     """speculation: "auto" or "off" (None: the server's default). logit_bias: token id -> bias in [-100, 100].
     n (an option) > 1 asks for several candidates: streamed messages carry their index, Generate's reply has
-    them in choices."""
+    them in choices. prediction: the reply expected (its tokens become drafts, verified exactly)."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise TypeError(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
@@ -69,6 +70,8 @@ def build_request(
         request.request_id = request_id
     if cache_salt is not None:
         request.cache_salt = cache_salt
+    if prediction is not None:
+        request.prediction = prediction
     if speculation is not None:
         request.speculation = pb.Speculation.Value(f"SPECULATION_{speculation.upper()}")
     if messages is not None:

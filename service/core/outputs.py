@@ -25,6 +25,8 @@ class Usage:
     # n > 1: of the prompt's tokens in all candidates, those the later candidates read from the first one's blocks
     shared_prompt_tokens: int = 0
     remote_prompt_tokens: int = 0  # of the cached ones, those fetched from the remote tier (the fleet's store)
+    accepted_prediction_tokens: int = 0  # of those, drafts from the request's predicted output
+    rejected_prediction_tokens: int = 0  # drafts from the predicted output that the model did not keep
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ class RequestOutput:
 def combined_usage(usages: Sequence[Usage]) -> Usage:
     """The usage of the candidates of one request (by index), as OpenAI counts n > 1: the prompt once, with the
     cached tokens of the first candidate (what the prompt reused from earlier requests); completion tokens,
-    accepted drafts and reasoning tokens summed; shared_prompt_tokens: the prompt tokens the later candidates
-    did not compute."""
+    accepted drafts, reasoning and prediction tokens summed; shared_prompt_tokens: the prompt tokens the later
+    candidates did not compute."""
     first = usages[0]
     return Usage(
         first.prompt_tokens,
@@ -90,6 +92,8 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
         sum(u.reasoning_tokens for u in usages),
         shared_prompt_tokens=sum(u.cached_prompt_tokens for u in usages[1:]),
         remote_prompt_tokens=first.remote_prompt_tokens,
+        accepted_prediction_tokens=sum(u.accepted_prediction_tokens for u in usages),
+        rejected_prediction_tokens=sum(u.rejected_prediction_tokens for u in usages),
     )
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from service.core.grammar import Matcher
 from service.core.outputs import FinishReason
 from service.core.params import SamplingParams
-from service.core.spec import DraftStats
+from service.core.spec import DraftStats, Prediction
 from service.errors import InvalidArgument
 
 MAX_LABEL_CHARS = 128
@@ -96,6 +96,19 @@ def check_prompt(prompt: Sequence[int], field: str, max_model_len: int, vocab_si
         raise InvalidArgument(f"{field}[{bad}]", f"token id {prompt[bad]} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_prediction(prediction: Sequence[int], max_model_len: int, vocab_size: int) -> None:
+    """InvalidArgument naming `prediction` unless it has at most max_model_len token ids (no reply is longer),
+    each in [0, vocab_size)."""
+    if len(prediction) > max_model_len:
+        raise InvalidArgument(
+            "prediction",
+            f"the prediction has {len(prediction)} tokens; at most {max_model_len} (the model's context) are taken",
+        )
+    bad = next((i for i, t in enumerate(prediction) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument("prediction", f"token id {prediction[bad]} is outside the vocabulary [0, {vocab_size})")
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     LOADING = "loading"  # admitted; its cached prefix is being restored from disk or the remote tier
@@ -130,6 +143,9 @@ class Request:
     num_remote_tokens: int = 0  # of those, the ones fetched from the remote tier (the fleet's store)
     draft_stats: DraftStats = field(default_factory=DraftStats)  # speculative decoding: what its drafts earned
     num_accepted_drafts: int = 0  # output tokens that were drafts the model kept
+    prediction: Prediction | None = None  # the client's predicted output: a proposer beside prompt lookup
+    num_accepted_predicted: int = 0  # of the kept drafts in the output, those the prediction guessed
+    num_rejected_predicted: int = 0  # drafts the prediction guessed that the model did not keep
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)

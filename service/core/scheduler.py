@@ -41,7 +41,7 @@ from service.core.fair_queue import FairQueue
 from service.core.kv_cache import KVCacheManager, PrefixHit
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-from service.core.spec import DraftPolicy, PromptLookup, Proposer, StepLoad, StepTimes
+from service.core.spec import DraftPolicy, Guess, PromptLookup, Proposer, StepLoad, StepTimes
 from service.core.stop import stop_reason
 
 
@@ -49,7 +49,7 @@ from service.core.stop import stop_reason
 class ScheduledChunk:
     """num_tokens tokens of request from position start: its own tokens, then any draft tokens to verify.
     sample is True when the chunk reaches the request's last token, so its logits are wanted: one row,
-    or one per draft plus one."""
+    or one per draft plus one. The first `predicted` drafts are also its predicted output's guess (usage)."""
 
     request: Request
     start: int
@@ -57,6 +57,7 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool
     drafts: tuple[int, ...] = ()
+    predicted: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -224,7 +225,10 @@ class Scheduler:
                 self.num_accepted_tokens += accepted
                 self.num_verify_steps += 1
                 # a stop inside the run drops what follows it: only kept drafts that reached the output count
-                request.num_accepted_drafts += min(accepted, request.num_output_tokens - num_before)
+                kept = min(accepted, request.num_output_tokens - num_before)
+                request.num_accepted_drafts += kept
+                request.num_accepted_predicted += min(kept, chunk.predicted)
+                request.num_rejected_predicted += chunk.predicted - min(accepted, chunk.predicted)
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request.id, request.num_tokens)
             else:
@@ -276,7 +280,8 @@ class Scheduler:
             if num_new == 0 or not self._allocate_or_preempt(request, num_new, plan):
                 continue
             room = budget - num_new - max(0, pieces_after)
-            drafts = chosen_drafts.get(request.id, ())[: max(0, room)] if num_new == 1 else ()
+            drafts, predicted = chosen_drafts.get(request.id, ((), 0))
+            drafts = drafts[: max(0, room)] if num_new == 1 else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running or
             # loading request the blocks it needs for the rest of its prompt and one more token (as admission does)
             if drafts:
@@ -284,7 +289,7 @@ class Scheduler:
                 reserve = sum(self._blocks_to_grow(r) for r in self._growing() if r is not request)
                 if not self.kv.allocate(request.id, target, keep_free=reserve):
                     drafts = ()
-            plan.chunks.append(self._chunk(request, num_new, drafts))
+            plan.chunks.append(self._chunk(request, num_new, drafts, min(predicted, len(drafts))))
             self.waiting.charge(request, num_new + len(drafts))
             budget -= num_new + len(drafts)
         if not plan.preempted:
@@ -458,7 +463,9 @@ class Scheduler:
         self._restoring.update(load.digests)
         return load
 
-    def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, num_new: int, drafts: tuple[int, ...] = (), predicted: int = 0
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(
             request,
@@ -467,6 +474,7 @@ class Scheduler:
             self.kv.block_ids(request.id),
             sample=start + num_new == request.num_tokens,
             drafts=drafts,
+            predicted=predicted,
         )
 
     def _step_load(self, budget: int) -> StepLoad:
@@ -483,12 +491,15 @@ class Scheduler:
         return StepLoad(tokens, max(1, sequences), max(1, sampled))
 
     def _speculates(self, request: Request) -> bool:
-        return (request.params.speculation or self.speculation) == "auto"
+        """A request's own choice, else auto for a request with a predicted output, else the server's default."""
+        default = "auto" if request.prediction is not None else self.speculation
+        return (request.params.speculation or default) == "auto"
 
-    def _plan_drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
+    def _plan_drafts(self, budget: int) -> dict[int, tuple[tuple[int, ...], int]]:
         """Drafts for each decoding request that speculates, by request id, as many as the policy chooses
-        within its token limits. The guess is made first, so that the number is chosen knowing it."""
-        candidates: list[tuple[Request, int, tuple[int, ...]]] = []
+        within its token limits, and how many of them, from the first, its predicted output guessed too (whichever
+        proposer's guess was taken). The guess is made first, so that the number is chosen knowing it."""
+        candidates: list[tuple[Request, int, tuple[Guess, Guess]]] = []
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1 or not self._speculates(request):
                 continue
@@ -500,14 +511,22 @@ class Scheduler:
             if limit > 0:
                 candidates.append((request, limit, self._guess(request)))
         chosen = self.policy.choose([(r.draft_stats, limit) for r, limit, _ in candidates], self._step_load(budget))
-        return {r.id: self._drafts(r, guess, k) for (r, _, guess), k in zip(candidates, chosen, strict=True)}
+        drafts: dict[int, tuple[tuple[int, ...], int]] = {}
+        for (request, _, (guess, predicted)), k in zip(candidates, chosen, strict=True):
+            these = self._drafts(request, guess.tokens, k)
+            drafts[request.id] = these, _common_start(these, predicted.tokens)
+        return drafts
 
-    def _guess(self, request: Request) -> tuple[int, ...]:
-        """The proposer's guess of a decoding request's next tokens. It is also watched (DraftStats): guesses
-        are judged while the request gets no drafts, so it gets them again as soon as its reply copies."""
-        guess = self.proposer.propose(request.all_token_ids, self.speculative_tokens)
+    def _guess(self, request: Request) -> tuple[Guess, Guess]:
+        """The guess of a decoding request's next tokens, prompt lookup's or its predicted output's, whichever its
+        kind says is worth more (DraftStats.best), and the predicted output's (empty without one). The guess is
+        also watched: guesses are judged while the request gets no drafts, so it gets them again as soon as its
+        reply copies."""
+        tokens, k = request.all_token_ids, self.speculative_tokens
+        predicted = request.prediction.propose(tokens, k) if request.prediction is not None else Guess()
+        guess = request.draft_stats.best([g for g in (predicted, self.proposer.propose(tokens, k)) if g.tokens])
         request.draft_stats.watch(request.num_tokens, guess)
-        return guess.tokens
+        return guess, predicted
 
     @staticmethod
     def _drafts(request: Request, guess: tuple[int, ...], k: int) -> tuple[int, ...]:
@@ -528,3 +547,11 @@ class Scheduler:
             if request.deadline is not None and now >= request.deadline:
                 self.finish(request)
                 plan.expired.append(request)
+
+
+def _common_start(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens a and b share from their first."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -273,20 +273,25 @@ class EngineCore:
             plan = replace(plan, chunks=[c for c in plan.chunks if c.request.id not in gone])
             keep = [i for i in range(len(sampled)) if i not in failed]
             sampled, runs, logprobs = [sampled[i] for i in keep], [runs[i] for i in keep], [logprobs[i] for i in keep]
-        before = [(c.request.num_output_tokens, c.request.num_accepted_drafts) for c in sampled]
+        before = [
+            (c.request.num_output_tokens, c.request.num_accepted_drafts, c.request.num_accepted_predicted)
+            for c in sampled
+        ]
         self.scheduler.update(plan, runs)
         clock.lap("update")
-        for chunk, (n, drafts_before), run_logprobs in zip(sampled, before, logprobs, strict=True):
+        for chunk, (n, drafts_before, predicted_before), run_logprobs in zip(sampled, before, logprobs, strict=True):
             matcher = chunk.request.matcher
             if matcher is not None and matcher.error:
                 outputs.append(self._grammar_failed(chunk.request, matcher.error))
                 continue
             new = chunk.request.output_token_ids[n:]  # a stop inside a run drops the tokens after it
             kept = [lp for lp in run_logprobs[: len(new)] if lp is not None]
-            # a verify step's run is its kept drafts, then the model's own token
+            # a verify step's run is its kept drafts (the predicted ones first), then the model's own token
             num_kept = chunk.request.num_accepted_drafts - drafts_before
+            num_predicted = chunk.request.num_accepted_predicted - predicted_before
             drafted = [True] * num_kept + [False] * (len(new) - num_kept)
-            outputs.append(output_of(chunk.request, new, kept, drafted))
+            predicted = [True] * num_predicted + [False] * (len(new) - num_predicted)
+            outputs.append(output_of(chunk.request, new, kept, drafted, predicted))
         return outputs
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:

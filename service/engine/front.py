@@ -25,7 +25,15 @@ from service.core.config import EngineConfig
 from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
 from service.core.outputs import RequestOutput
 from service.core.reasoning import ReasoningSplitter, after_reasoning, starts_inside
-from service.core.request import Request, check_cache_salt, check_label, check_priority, check_prompt
+from service.core.request import (
+    Request,
+    check_cache_salt,
+    check_label,
+    check_prediction,
+    check_priority,
+    check_prompt,
+)
+from service.core.spec import Prediction
 from service.core.stats import EngineStats, ModelInfo
 from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.core import EngineCore, EngineOutput
@@ -205,6 +213,7 @@ class Engine:
         if not self._accepting:
             raise Unavailable("the engine is not serving (loading, stopped or draining)")
         check_prompt(prompt, prompt_field, self.info.max_model_len, self.info.vocab_size)
+        check_prediction(asked.prediction, self.info.max_model_len, self.info.vocab_size)
         params.validate(self.info.max_new_tokens_limit, self.info.vocab_size)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("the deadline passed before the request was queued")
@@ -233,6 +242,7 @@ class Engine:
                 deadline=deadline,
                 matcher=matcher,
                 leader=requests[0] if requests else None,
+                prediction=Prediction(asked.prediction, len(prompt)) if asked.prediction else None,
             )
             requests.append(request)
         return requests
@@ -297,5 +307,6 @@ def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> list[En
                 token_ids=earlier.token_ids + later.token_ids,
                 logprobs=earlier.logprobs + later.logprobs,
                 drafted=earlier.drafted + later.drafted,
+                predicted=earlier.predicted + later.predicted,
             )
     return list(folded.values())

@@ -25,7 +25,9 @@ class GenerationRequest:
     may open with a reasoning block (serving.prompt.reasons), returned apart from its text. n candidates are
     generated for the one prompt, candidate i with seed + i; their outputs carry their index. tenant: who it is
     served for (fair admission, the per-tenant queue limit, the tenant's own prefix cache); priority orders it
-    among its tenant's waiting requests, lower first."""
+    among its tenant's waiting requests, lower first. prediction: the reply the client expects, as token ids
+    (OpenAI's predicted output): drafts verified exactly, so it changes how fast the reply comes, never the
+    reply."""
 
     prompt_token_ids: Sequence[int]
     params: SamplingParams
@@ -39,6 +41,7 @@ class GenerationRequest:
     n: int = 1
     tenant: Tenant = DEFAULT_TENANT
     priority: int = 0
+    prediction: Sequence[int] = ()
 
 
 class EngineClient(Protocol):

@@ -38,6 +38,7 @@ class ReplyAssembler:
         self.answer_started = False  # text after a reasoning block: its leading whitespace is dropped
         self.num_tokens = 0
         self.num_drafts = 0
+        self.num_predicted = 0
         self.first_token_time: float | None = None
         self.finished = False
         self.stopped_by_text = False  # a stop string ended the reply before the engine did
@@ -57,6 +58,7 @@ class ReplyAssembler:
         token_ids, logprobs = out.token_ids[:kept], out.logprobs[:kept]
         self.num_tokens += len(token_ids)
         self.num_drafts += sum(out.drafted[:kept])
+        self.num_predicted += sum(out.predicted[:kept])
         if token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()
         finish = out.finish_reason
@@ -83,6 +85,8 @@ class ReplyAssembler:
                 self.num_drafts,
                 self.num_reasoning_tokens,
                 remote_prompt_tokens=out.num_remote_tokens,
+                accepted_prediction_tokens=self.num_predicted,
+                rejected_prediction_tokens=out.num_rejected_predicted,
             )
             timings = self._timings(out.queue_seconds)
         return RequestOutput(

@@ -42,7 +42,7 @@ from service.http.responses_out import ResponseReply
 from service.metrics import Metrics, TokenClocks
 from service.serving.auth import Auth
 from service.serving.call import Call
-from service.serving.prompt import encode, reasons
+from service.serving.prompt import encode, encode_prediction, reasons
 from service.serving.state import Serving
 
 log = logging.getLogger("service.http")
@@ -129,8 +129,13 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
         raise CrossOrigin(f"a page of another origin ({shown}) cannot call this API from a browser")
 
 
-def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
-    """The request's input as token ids, and the field it came from (for errors)."""
+def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str, list[int]]:
+    """The request's input as token ids, the field it came from (for errors), and its predicted output's ids."""
+    ids, field = _input_ids(tokenizer, parsed)
+    return ids, field, encode_prediction(tokenizer, parsed.prediction)
+
+
+def _input_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
     if parsed.messages is not None:
         thinking = parsed.enable_thinking
         return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools, enable_thinking=thinking), (
@@ -302,9 +307,12 @@ class Api:
         parsed = parse(body, engine.info)
         check_model(parsed.model, engine.info)
         try:
-            ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)  # a long prompt takes seconds
+            # a long prompt takes seconds
+            ids, field, predicted = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)
             reasoning = reasons(engine.tokenizer, parsed.messages is not None, parsed.enable_thinking)
-            asked = parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len, reasoning)
+            asked = parsed.generation_request(
+                ids, field, call.request_id, engine.info.max_model_len, reasoning, predicted
+            )
         except InvalidArgument as exc:  # named as this request calls the field (a Responses input item)
             raise parsed.renamed(exc) from None
         return engine, parsed, replace(asked, tenant=tenant)

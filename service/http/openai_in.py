@@ -40,7 +40,6 @@ UNSUPPORTED = {
     "function_call": "the legacy function_call is not supported; use tool_choice",
     "audio": "audio output is not supported",
     "modalities": "only ['text'] is supported",
-    "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported",
@@ -63,7 +62,7 @@ OWN_EXTENSIONS = ("speculation",)
 # vLLM's `priority` (lower is admitted first, among the tenant's own requests): taken as vLLM takes it.
 SCHEDULING = ("priority",)
 COMMON = (
-    *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
+    *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "prediction"),
     *("presence_penalty", "frequency_penalty", "logprobs", "best_of", "logit_bias", *EXTENSIONS, *OWN_EXTENSIONS),
     *SCHEDULING,
 )
@@ -83,6 +82,8 @@ JSON_SCHEMA_FIELDS = frozenset(("name", "description", "schema", "strict"))
 TOOL_FIELDS = frozenset(("type", "function"))
 FUNCTION_FIELDS = frozenset(("name", "description", "parameters", "strict"))
 TOOL_CHOICE_FIELDS = frozenset(("type", "function"))
+PREDICTION_FIELDS = frozenset(("type", "content"))
+TEXT_PART_FIELDS = frozenset(("type", "text"))
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's structured_outputs (its successor of guided_json / guided_regex / guided_choice): one of these keys
 STRUCTURED_OUTPUTS = ("json", "regex", "choice")
@@ -111,11 +112,19 @@ class ApiRequest:
     enable_thinking: bool | None = None  # chat_template_kwargs.enable_thinking; None: the template's default
     n: int = 1  # candidates (choices); its range is the engine's check
     priority: int = 0
+    prediction: str | None = None  # the predicted output's text
 
     def generation_request(
-        self, ids: list[int], field: str, label: str | None, max_model_len: int, reasoning: bool = False
+        self,
+        ids: list[int],
+        field: str,
+        label: str | None,
+        max_model_len: int,
+        reasoning: bool = False,
+        predicted: list[int] | None = None,
     ) -> GenerationRequest:
-        """What the engine is asked, with the input encoded (serving.prompt) and the request's id. A prompt and
+        """What the engine is asked, with the input (and the predicted output) encoded (serving.prompt) and the
+        request's id. A prompt and
         max_tokens that together exceed the context are refused, as OpenAI and vLLM refuse them; without
         max_tokens the reply may fill the context. reasoning: the reply may reason (serving.prompt.reasons)."""
         wanted = self.params.max_new_tokens
@@ -136,6 +145,7 @@ class ApiRequest:
             reasoning=reasoning,
             n=self.n,
             priority=self.priority,
+            prediction=predicted or (),
         )
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
@@ -304,12 +314,41 @@ def _call(
         include_usage,
         top_logprobs,
         salt,
-        names | {"min_new_tokens": "min_tokens"},
+        names | {"min_new_tokens": "min_tokens", "prediction": "prediction.content"},
         structure,
         max_tokens_given=max_tokens is not None,
         n=1 if n is None else n,
         priority=_int(fields, "priority") or 0,
+        prediction=prediction(fields),
     )
+
+
+def prediction(fields: Mapping[str, Any]) -> str | None:
+    """OpenAI's predicted output, {"type": "content", "content": text or an array of text parts}, as one text (the
+    parts concatenated: together they are the reply expected)."""
+    raw = fields.get("prediction")
+    if raw is None:
+        return None
+    given = _present(object_at(raw, "prediction"), PREDICTION_FIELDS, "prediction")
+    if given.get("type") != "content":
+        raise InvalidArgument("prediction.type", f"must be 'content', got {_shown(given.get('type'))}")
+    content = given.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        shown = "an empty array" if content == [] else kind_of(content)
+        raise InvalidArgument("prediction.content", f"must be a string or a non-empty array of text parts, got {shown}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"prediction.content[{j}]"
+        part = _present(object_at(part, where), TEXT_PART_FIELDS, where)
+        if part.get("type") != "text":
+            raise InvalidArgument(f"{where}.type", f"must be 'text', got {_shown(part.get('type'))}")
+        text = string_at(part, "text", where)
+        if text is None:
+            raise InvalidArgument(f"{where}.text", "is required (a string)")
+        texts.append(text)
+    return "".join(texts)
 
 
 def messages(raw: Any) -> list[dict[str, Any]]:
@@ -560,6 +599,11 @@ def kind_of(value: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "nothing"}.get(
         type(value), "a number"
     )
+
+
+def _shown(value: Any) -> str:
+    """A client's value for a short field (a type name) in an error: quoted, and cut, if a string."""
+    return repr(value[:64]) if isinstance(value, str) else kind_of(value)
 
 
 def object_at(value: Any, where: str) -> dict[str, Any]:

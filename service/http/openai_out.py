@@ -37,10 +37,13 @@ def usage(u: Usage) -> dict[str, Any]:
             "remote_tokens": u.remote_prompt_tokens,
             "shared_tokens": u.shared_prompt_tokens,
         },
-        # OpenAI's name for tokens of a predicted output that appeared in the completion; our predictions are
-        # the speculative drafts
+        # OpenAI's: the predicted output's tokens that the model kept (they appear in the completion) and those it
+        # did not (verified and thrown away), and the reasoning block's tokens; accepted_draft_tokens, our
+        # extension: every kept draft, prompt lookup's too
         "completion_tokens_details": {
-            "accepted_prediction_tokens": u.accepted_draft_tokens,
+            "accepted_prediction_tokens": u.accepted_prediction_tokens,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens,
+            "accepted_draft_tokens": u.accepted_draft_tokens,
             "reasoning_tokens": u.reasoning_tokens,
         },
     }

@@ -29,13 +29,14 @@ from service.core.tools import Mode, Tool, ToolChoice, Tools, joined_calls, temp
 from service.engine import GenerationRequest
 from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
-from service.serving.prompt import encode, reasons, the_one_input
+from service.serving.prompt import encode, encode_prediction, reasons, the_one_input
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
 _NOT_OPTIONS = (
     *("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "enable_thinking", "n", "priority"),
+    "prediction",
 )
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto SamplingParams; unset ones keep
@@ -216,6 +217,7 @@ def generation_request(
         reasoning=reasons(tokenizer, field == "messages", thinking),
         n=request.n if request.HasField("n") else 1,
         priority=request.priority,
+        prediction=encode_prediction(tokenizer, request.prediction if request.HasField("prediction") else None),
     )
 
 
@@ -239,6 +241,9 @@ def usage_pb(usage: Usage) -> pb.Usage:
         disk_prompt_tokens=usage.disk_prompt_tokens,
         accepted_draft_tokens=usage.accepted_draft_tokens,
         reasoning_tokens=usage.reasoning_tokens,
+        accepted_prediction_tokens=usage.accepted_prediction_tokens,
+        rejected_prediction_tokens=usage.rejected_prediction_tokens,
+        remote_prompt_tokens=usage.remote_prompt_tokens,
     )
 
 

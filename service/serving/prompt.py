@@ -52,3 +52,8 @@ def reasons(tokenizer: Tokenizer, chat: bool, enable_thinking: bool | None) -> b
     """Whether a reply may reason (and its reasoning is returned apart): a chat whose template reasons in
     Qwen3's format, with thinking not switched off. Raw prompts are the caller's own: their replies are text."""
     return chat and enable_thinking is not False and tokenizer.think_ids is not None
+
+
+def encode_prediction(tokenizer: Tokenizer, text: str | None) -> list[int]:
+    """A predicted output's token ids, as the reply would hold its text (no BOS in front). Empty: no prediction."""
+    return tokenizer.encode(text, add_special_tokens=False) if text else []

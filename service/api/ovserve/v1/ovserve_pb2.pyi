@@ -114,7 +114,7 @@ class ToolCall(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "cache_salt", "speculation", "response_format", "tools", "tool_choice", "enable_thinking", "n", "logit_bias", "priority")
+    __slots__ = ("request_id", "messages", "prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "cache_salt", "speculation", "response_format", "tools", "tool_choice", "enable_thinking", "n", "logit_bias", "priority", "prediction")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     prompt: str
@@ -178,23 +179,30 @@ class GenerateRequest(_message.Message):
     n: int
     logit_bias: _containers.ScalarMap[int, float]
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., enable_thinking: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., priority: _Optional[int] = ...) -> None: ...
+    prediction: str
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., enable_thinking: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., priority: _Optional[int] = ..., prediction: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "disk_prompt_tokens", "accepted_draft_tokens", "reasoning_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "disk_prompt_tokens", "accepted_draft_tokens", "reasoning_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens", "remote_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISK_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     disk_prompt_tokens: int
     accepted_draft_tokens: int
     reasoning_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., disk_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    remote_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., disk_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., remote_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "time_to_first_token_seconds", "total_seconds", "decode_seconds")
