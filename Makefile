@@ -9,7 +9,7 @@ RUNTIME   := $(VENV)/.installed-runtime
 CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 
-.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-capacity-full llama-server bench-engines bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-ab bench-http bench-4b bench-llamacpp bench-replicas clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-engines llama-server bench-capacity-full bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-tenants bench-predicted clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -164,6 +164,12 @@ bench-speculative-quick: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.speculative $(MODEL) --streams 1,4,8,32 --rounds 3 --requests-per-stream 2 --max-new-tokens 128 \
 		--ours-only --out bench/results-speculative/quick.json
 
+# Predicted outputs on the edit workload (each prompt's own text as its prediction, and another's: entirely wrong)
+# against plain decoding and prompt lookup in the same run, at 1, 8 and 32 streams (docs/SPECULATIVE.md).
+bench-predicted: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.predicted $(MODEL) --streams 1,8,32 --rounds 3 --requests-per-stream 2 --max-new-tokens 128 \
+		--out bench/results-speculative/predicted.json
+
 # Deterministic steps (the default) against fast ones (--no-deterministic): identical greedy replies across cache
 # state, load and speculation, time to the first token of 2,000 tokens, throughput at 1, 8 and 32 streams.
 # For the Qwen3-4B shape: make bench-deterministic MODEL=models/qwen3-4b-synthetic-int8 (after make bench-4b).
@@ -196,6 +202,18 @@ bench-structured: $(STAMP) $(MODEL)/manifest.json
 KV_DISK_ARGS ?=
 bench-kv-disk: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.kv_disk $(MODEL) $(KV_DISK_ARGS) --out bench/results-kv-disk/$(notdir $(MODEL)).json
+
+# The fleet cache: a returning conversation on a replica that never saw it, from a local redis-server (Debian's)
+# against recomputing and against local disk, in one run (bench/results-fleet-cache). For the Qwen3-4B shape:
+# make bench-fleet-cache MODEL=models/qwen3-4b-synthetic-int8 FLEET_CACHE_ARGS="--kv-cache-gb 0.5"
+FLEET_CACHE_ARGS ?=
+bench-fleet-cache: $(STAMP) system-packages $(MODEL)/manifest.json
+	$(PY) -m bench.fleet_cache $(MODEL) $(FLEET_CACHE_ARGS) --out bench/results-fleet-cache/$(notdir $(MODEL)).json
+
+# Tenants: one floods with 200 requests at once, another sends one a second; the light tenant's time to first
+# token during the flood against its idle time, with fair admission and without (FIFO), in one run.
+bench-tenants: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.tenants $(MODEL) --out bench/results-tenants/$(notdir $(MODEL)).json
 
 # llama.cpp (llama-cpp-python, built from source the first time) against ovserve at one stream, interleaved.
 bench-llamacpp: $(STAMP) $(MODEL)/manifest.json

@@ -375,10 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ours_plain.shutdown()
         ours_lookup.shutdown()
-    result["load_after"] = os.getloadavg()
-    if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1))
+    save(result, a.out)
     return 0
+
+
+def save(result: dict[str, Any], out: str | None) -> None:
+    """The run's results with the load after it, written to out (when given)."""
+    result["load_after"] = os.getloadavg()
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

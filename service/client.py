@@ -22,7 +22,7 @@ import ipaddress
 import json
 import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from service.api.ovserve.v1 import ovserve_pb2_grpc as pb_grpc
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto sampling options (the server's
 # wire module reads the same descriptor); unset ones keep the server's defaults.
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")
+_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "prediction")  # n: an option
 OPTIONS = tuple(f.name for f in pb.GenerateRequest.DESCRIPTOR.fields if f.has_presence and f.name not in _NOT_OPTIONS)
 
 
@@ -49,9 +49,13 @@ def build_request(
     tools: Sequence[pb.Tool] = (),
     tool_choice: pb.ToolChoice | None = None,
     speculation: str | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    prediction: str | None = None,
     **options,
 ) -> pb.GenerateRequest:
-    """speculation: "auto" or "off" (None: the server's default)."""
+    """speculation: "auto" or "off" (None: the server's default). logit_bias: token id -> bias in [-100, 100].
+    n (an option) > 1 asks for several candidates: streamed messages carry their index, Generate's reply has
+    them in choices. prediction: the reply expected (its tokens become drafts, verified exactly)."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise TypeError(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
@@ -60,10 +64,14 @@ def build_request(
         stop_token_ids=list(stop_token_ids),
         **{k: v for k, v in options.items() if v is not None},
     )
+    if logit_bias:
+        request.logit_bias.update(logit_bias)
     if request_id is not None:
         request.request_id = request_id
     if cache_salt is not None:
         request.cache_salt = cache_salt
+    if prediction is not None:
+        request.prediction = prediction
     if speculation is not None:
         request.speculation = pb.Speculation.Value(f"SPECULATION_{speculation.upper()}")
     if messages is not None:
@@ -308,9 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--priority", type=int, help="among your tenant's waiting requests: lower is admitted first")
     p.add_argument("--timeout", type=float, help="deadline in seconds")
-    p.add_argument("--token-file", help="file holding the bearer token")
+    p.add_argument("--token-file", help="file holding the bearer token (the API key)")
     p.add_argument("--ca-cert", help="CA certificate (PEM) of a TLS server")
+    p.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="switch a reasoning model's thinking off (enable_thinking=false); otherwise its reasoning goes to stderr",
+    )
     p.add_argument("--usage", action="store_true", help="print token counts and timings to stderr at the end")
     args = p.parse_args(argv)
     text = " ".join(args.message) if args.message else sys.stdin.read()
@@ -325,17 +339,31 @@ def main(argv: list[str] | None = None) -> int:
     certs = Path(args.ca_cert).read_bytes() if args.ca_cert else None
     options = {
         name: getattr(args, name)
-        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
+        for name in (
+            "max_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "repetition_penalty",
+            "priority",
+        )
     }
+    if args.no_thinking:
+        options["enable_thinking"] = False
     try:
         with Client(args.target, token, certs, args.timeout) as client:
             for chunk in client.stream(**inputs, stop=args.stop, session_id=args.session_id, **options):
+                if chunk.reasoning_text:  # the reasoning apart from the answer on stdout
+                    print(chunk.reasoning_text, end="", file=sys.stderr, flush=True)
                 print(chunk.text, end="", flush=True)
                 if chunk.finish_reason and args.usage:
                     u, t = chunk.usage, chunk.timings
                     print(
                         f"\n[{pb.FinishReason.Name(chunk.finish_reason)}] prompt {u.prompt_tokens} "
-                        f"(cached {u.cached_prompt_tokens}), completion {u.completion_tokens} tokens; "
+                        f"(cached {u.cached_prompt_tokens}), completion {u.completion_tokens} tokens "
+                        f"({u.reasoning_tokens} reasoning); "
                         f"ttft {t.time_to_first_token_seconds:.3f} s, total {t.total_seconds:.3f} s",
                         file=sys.stderr,
                     )

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
 from importlib import metadata
+from pathlib import Path
 
 from service.core.config import EngineConfig, setting
 
@@ -51,6 +52,17 @@ class ServerConfig:
     log_format: str = setting("text", "log lines as text or one JSON object per line", ("text", "json"))
     auth_token_file: str | None = setting(
         None, "require `authorization: Bearer <token>` (the file's content) on all but health checks"
+    )
+    api_keys_file: str | None = setting(
+        None,
+        "API keys that each name a tenant, one `tenant key [weight]` a line (docs/API.md, Tenants): requests need "
+        "`authorization: Bearer <key>` and are admitted fairly across tenants by weight. Read again when the file "
+        "changes (or on SIGHUP); a file that cannot be used keeps the previous keys. Excludes --auth-token-file",
+    )
+    share_cache_across_tenants: bool = setting(
+        False,
+        "let the tenants of --api-keys-file share prefix-cache blocks (by default each tenant has its own, so no "
+        "tenant can time another's prompts)",
     )
     tls_cert: str | None = setting(None, "TLS certificate chain (PEM); with --tls-key serves TLS only (gRPC and HTTP)")
     tls_key: str | None = setting(None, "TLS private key (PEM)")
@@ -106,6 +118,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         *("http_max_connections", "drain_delay_seconds", "drain_grace_seconds"),
     ),
     "security": ("auth_token_file", "tls_cert", "tls_key", "allowed_origins", "allowed_hosts"),
+    "tenants": ("api_keys_file", "share_cache_across_tenants", "max_queued_per_tenant", "fair_admission"),
     "engine": (),
     "cache": ("kv_cache_gb", "kv_cache_precision", "enable_prefix_caching", "kv_disk_dir", "kv_disk_gb"),
     "speculation": ("speculation", "speculative_tokens", "prompt_lookup_max_ngram", "prompt_lookup_min_ngram"),
@@ -113,7 +126,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 
 def group_of(name: str) -> str:
-    if name.startswith("kv_disk_"):
+    if name.startswith(("kv_disk_", "kv_remote_")):
         return "cache"
     if name.startswith("speculative_") or name.startswith("prompt_lookup_"):
         return "speculation"
@@ -191,6 +204,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     args = vars(p.parse_args(argv))
     if not args["model"]:
         p.error(f"--model (or {env_name('model')}) is required")
+    if args["auth_token_file"] and args["api_keys_file"]:
+        p.error("--auth-token-file and --api-keys-file exclude each other (a token can be a line of the keys file)")
     if bool(args["tls_cert"]) != bool(args["tls_key"]):
         p.error("--tls-cert and --tls-key go together")
     for name in ("port", "metrics_port", "http_port"):
@@ -205,6 +220,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     for name in ("http_head_timeout_seconds", "http_body_timeout_seconds", "keep_alive_timeout_seconds"):
         if not args[name] > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    for name in ("auth_token_file", "tls_cert", "tls_key", "chat_template"):
+        path = args[name] and Path(args[name])
+        if path and not path.is_file():
+            p.error(f"--{name.replace('_', '-')} {path}: {'not a file' if path.exists() else 'no such file'}")
     try:
         origins(args["allowed_origins"])
     except ValueError as exc:

@@ -35,6 +35,10 @@ class QueueFull(ServiceError):
     """The waiting queue is at its limit; the client should retry later."""
 
 
+class Unauthenticated(ServiceError):
+    """Missing or wrong bearer token (API key)."""
+
+
 class Unavailable(ServiceError):
     """The engine is loading, draining or stopped."""
 

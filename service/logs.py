@@ -12,6 +12,7 @@ RECORD_FIELDS = (
     "request_id",
     "protocol",
     "session_id",
+    "tenant",
     "rpc",
     "code",
     "seconds",

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from service.core.outputs import RequestOutput
-from service.core.stats import DiskTierStats
+from service.core.stats import DiskTierStats, RemoteTierStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The same gauges under the names the Gateway API Inference Extension's endpoint picker reads by default
@@ -94,12 +94,12 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "ovserve_requests", "Finished RPCs by method and status code", ["rpc", "code"], registry=r
+            "ovserve_requests", "Finished RPCs by method, status code and tenant", ["rpc", "code", "tenant"], registry=r
         )
         self.http_requests = Counter(
             "ovserve_http_requests",
-            "Finished HTTP API requests by endpoint and status (499: the client went away)",
-            ["endpoint", "status"],
+            "Finished HTTP API requests by endpoint, status (499: the client went away) and tenant",
+            ["endpoint", "status", "tenant"],
             registry=r,
         )
         self.dropped_connections = Counter(
@@ -110,7 +110,8 @@ class Metrics:
         )
         self.ttft = Histogram(
             "ovserve_time_to_first_token_seconds",
-            "Request start to first token (gRPC and HTTP)",
+            "Request start to first token (gRPC and HTTP), by tenant",
+            ["tenant"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -122,12 +123,17 @@ class Metrics:
         )
         self.e2e = Histogram(
             "ovserve_request_latency_seconds",
-            "End-to-end generation latency (gRPC and HTTP)",
+            "End-to-end generation latency (gRPC and HTTP), by tenant",
+            ["tenant"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue = Histogram(
-            "ovserve_queue_time_seconds", "Time waiting before first scheduling", buckets=LATENCY_BUCKETS, registry=r
+            "ovserve_queue_time_seconds",
+            "Time waiting before first scheduling, by tenant",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self._engine = EngineCollector()
         r.register(self._engine)
@@ -136,8 +142,8 @@ class Metrics:
     def attach(self, engine) -> None:
         self._engine.engine = engine
 
-    def observe_first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+    def observe_first_token(self, seconds: float, tenant: str = "") -> None:
+        self.ttft.labels(tenant).observe(seconds)
 
     def observe_tokens(self, seconds: float, num_tokens: int) -> None:
         """num_tokens arrived together, seconds after the request's previous ones: each counts the gap's
@@ -146,31 +152,42 @@ class Metrics:
         for _ in range(num_tokens):
             self.itl.observe(seconds / num_tokens)
 
-    def observe_rpc(self, rpc: str, code: str, seconds: float, output: RequestOutput | None = None) -> None:
-        self.requests.labels(rpc, code).inc()
+    def observe_rpc(
+        self, rpc: str, code: str, seconds: float, output: RequestOutput | None = None, tenant: str = ""
+    ) -> None:
+        self.requests.labels(rpc, code, tenant).inc()
         if rpc.startswith("Generate"):
-            self.e2e.observe(seconds)
+            self.e2e.labels(tenant).observe(seconds)
         if output is not None and output.timings is not None:
-            self.queue.observe(output.timings.queue)
+            self.queue.labels(tenant).observe(output.timings.queue)
 
-    def observe_http(self, endpoint: str, status: int, seconds: float, output: RequestOutput | None = None) -> None:
-        self.http_requests.labels(endpoint, str(status)).inc()
+    def observe_http(
+        self, endpoint: str, status: int, seconds: float, output: RequestOutput | None = None, tenant: str = ""
+    ) -> None:
+        self.http_requests.labels(endpoint, str(status), tenant).inc()
         if output is not None:
-            self.e2e.observe(seconds)
+            self.e2e.labels(tenant).observe(seconds)
         if output is not None and output.timings is not None:
-            self.queue.observe(output.timings.queue)
+            self.queue.labels(tenant).observe(output.timings.queue)
 
     def observe_dropped_connection(self, reason: str) -> None:
         self.dropped_connections.labels(reason).inc()
 
     def observe_call(
-        self, protocol: str, rpc: str, code: str | int, seconds: float, output: RequestOutput | None = None
+        self,
+        protocol: str,
+        rpc: str,
+        code: str | int,
+        seconds: float,
+        output: RequestOutput | None = None,
+        tenant: str = "",
     ) -> None:
-        """A finished call of either front: gRPC codes are names, HTTP statuses numbers."""
+        """A finished call of either front: gRPC codes are names, HTTP statuses numbers. tenant: a configured
+        tenant's name, empty for calls refused before it was known (the label's values stay bounded)."""
         if protocol == "grpc":
-            self.observe_rpc(rpc, str(code), seconds, output)
+            self.observe_rpc(rpc, str(code), seconds, output, tenant)
         else:
-            self.observe_http(rpc, int(code), seconds, output)
+            self.observe_http(rpc, int(code), seconds, output, tenant)
 
     def serve(self, port: int, host: str) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -190,8 +207,10 @@ class TokenClock:
     output gives the time to first token only, even when it holds several tokens (a prefix-cache hit can
     verify drafts in the request's first step): those came with the first, not after it."""
 
-    def __init__(self, metrics: Metrics, started: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.metrics, self.last, self.clock = metrics, started, clock
+    def __init__(
+        self, metrics: Metrics, started: float, tenant: str = "", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.metrics, self.last, self.clock, self.tenant = metrics, started, clock, tenant
         self.first = True
 
     def tick(self, out: RequestOutput) -> None:
@@ -199,10 +218,34 @@ class TokenClock:
             return
         now = self.clock()
         if self.first:
-            self.metrics.observe_first_token(now - self.last)
+            self.metrics.observe_first_token(now - self.last, self.tenant)
         else:
             self.metrics.observe_tokens(now - self.last, len(out.token_ids))
         self.last, self.first = now, False
+
+
+class TokenClocks:
+    """A request's TokenClock per candidate (n > 1): the time to first token once per request (its first
+    candidate's first token), the inter-token latency of each candidate's tokens since its own earlier ones."""
+
+    def __init__(
+        self, metrics: Metrics, started: float, tenant: str = "", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.metrics, self.started, self.tenant, self.clock = metrics, started, tenant, clock
+        self.clocks: dict[int, TokenClock] = {}
+
+    def tick(self, out: RequestOutput) -> None:
+        if not out.token_ids:
+            return
+        clock = self.clocks.get(out.index)
+        if clock is None:
+            clock = TokenClock(self.metrics, self.started, self.tenant, self.clock)
+            if self.clocks:  # a later candidate's first tokens: the request's first token came already
+                clock.last, clock.first = self.clock(), False
+                self.clocks[out.index] = clock
+                return
+            self.clocks[out.index] = clock
+        clock.tick(out)
 
 
 class EngineCollector:
@@ -249,6 +292,11 @@ class EngineCollector:
                 s.num_shape_changes,
             ),
             ("ovserve_prefix_cache_evictions", "Cached KV blocks reused for new content", s.num_cache_evictions),
+            (
+                "ovserve_shared_prompt_tokens",
+                "Prompt tokens the later candidates of n > 1 requests read from the first candidate's KV blocks",
+                s.num_shared_prompt_tokens,
+            ),
             ("ovserve_spec_draft_tokens", "Draft tokens verified (speculative decoding)", s.num_draft_tokens),
             ("ovserve_spec_accepted_tokens", "Draft tokens the model agreed with", s.num_accepted_tokens),
             (
@@ -263,18 +311,24 @@ class EngineCollector:
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        yield GaugeMetricFamily("ovserve_loading_requests", "Requests restoring their prefix from disk", s.num_loading)
+        yield GaugeMetricFamily(
+            "ovserve_loading_requests", "Requests restoring their prefix from disk or the remote tier", s.num_loading
+        )
         by_source = CounterMetricFamily(
             "ovserve_prompt_tokens_by_source",
-            "Prompt tokens by where their KV came from: computed, the RAM prefix cache, or the disk tier",
+            "Prompt tokens by where their KV came from: computed, the RAM prefix cache, the disk tier or the remote "
+            "tier",
             labels=["source"],
         )
         by_source.add_metric(["computed"], s.num_prompt_tokens)
         by_source.add_metric(["ram"], s.num_cached_prompt_tokens)
         by_source.add_metric(["disk"], s.num_restored_prompt_tokens)
+        by_source.add_metric(["remote"], s.num_remote_prompt_tokens)
         yield by_source
         if s.disk is not None:
             yield from disk_tier_metrics(s.disk)
+        if s.remote is not None:
+            yield from remote_tier_metrics(s.remote)
 
 
 def disk_tier_metrics(d: DiskTierStats):
@@ -302,6 +356,39 @@ def disk_tier_metrics(d: DiskTierStats):
         ("ovserve_kv_disk_read_bytes", "Bytes read from the disk tier", d.bytes_read),
         ("ovserve_kv_disk_restores", "Requests whose prefix was restored from disk", d.num_restores),
         ("ovserve_kv_disk_restore_seconds", "Time spent restoring prefixes from disk", d.restore_seconds_total),
+    )
+    for name, doc, total in counters:
+        yield CounterMetricFamily(name, doc, value=total)
+
+
+def remote_tier_metrics(r: RemoteTierStats):
+    yield GaugeMetricFamily(
+        "ovserve_kv_remote_up", "1 while the remote tier's store answers; 0 while it is down (prefixes computed)", r.up
+    )
+    counters: tuple[tuple[str, str, float], ...] = (
+        ("ovserve_kv_remote_published_blocks", "KV blocks published to the remote tier", r.num_published),
+        (
+            "ovserve_kv_remote_skipped_blocks",
+            "Full KV blocks not published: publishing fell behind, or the store was down",
+            r.num_skipped,
+        ),
+        ("ovserve_kv_remote_fetched_blocks", "KV blocks fetched from the remote tier and verified", r.num_fetched),
+        ("ovserve_kv_remote_misses", "Fetches whose chain ended at a block the store did not hold", r.num_missed),
+        (
+            "ovserve_kv_remote_corrupt_blocks",
+            "Remote values refused (wrong length, checksum, identity or digest, or a key of another type)",
+            r.num_corrupt,
+        ),
+        (
+            "ovserve_kv_remote_errors",
+            "Remote store operations that failed (unreachable, timed out, refused)",
+            r.num_errors,
+        ),
+        ("ovserve_kv_remote_outages", "Times the remote store stopped answering", r.num_outages),
+        ("ovserve_kv_remote_published_bytes", "Bytes published to the remote tier", r.bytes_published),
+        ("ovserve_kv_remote_fetched_bytes", "Bytes fetched from the remote tier", r.bytes_fetched),
+        ("ovserve_kv_remote_fetches", "Requests whose prefix was looked for in the remote tier", r.num_fetches),
+        ("ovserve_kv_remote_fetch_seconds", "Time spent fetching prefixes from the remote tier", r.fetch_seconds_total),
     )
     for name, doc, total in counters:
         yield CounterMetricFamily(name, doc, value=total)

@@ -20,14 +20,17 @@ from importlib import metadata
 from pathlib import Path
 
 from service.config import ServerConfig, env_name
-from service.engine import Engine, EngineClient, FolderInUse
+from service.engine import Engine, EngineClient, FolderInUse, UnreadableModel
 from service.engine.model_files import ModelFiles
 from service.http.front import HttpFront
 from service.metrics import Metrics
 from service.rpc.front import GrpcFront
+from service.serving.auth import Auth
 from service.serving.state import Serving
 
 log = logging.getLogger("service.process")
+
+KEYS_POLL_SECONDS = 2.0  # how often the keys file's inode, size and modification time are compared
 
 
 class Server:
@@ -40,20 +43,23 @@ class Server:
         self.hurrying = asyncio.Event()  # set by a second signal: the drain stops waiting
         self.metrics = Metrics()
         self.serving = Serving()
-        token = Path(config.auth_token_file).read_text().strip() if config.auth_token_file else None
+        self.auth = Auth.from_files(config.auth_token_file, config.api_keys_file, config.share_cache_across_tenants)
+        self.keys_watch: asyncio.Task[None] | None = None
         with port_named(config.host, config.port, "port"):
-            self.grpc = GrpcFront(config, self.serving, self.metrics, token)
+            self.grpc = GrpcFront(config, self.serving, self.metrics, self.auth)
         self.port = self.grpc.port
         self.http = None
         if config.http_port:
             with port_named(config.host, config.http_port, "http_port"):
-                self.http = HttpFront(config, self.serving, self.metrics, token)
+                self.http = HttpFront(config, self.serving, self.metrics, self.auth)
 
     @property
     def engine(self) -> EngineClient | None:
         return self.serving.engine
 
     async def start(self) -> None:
+        if self.auth.path is not None:
+            self.keys_watch = asyncio.get_running_loop().create_task(self.watch_keys())
         await self.grpc.start()
         if self.config.metrics_port:
             with port_named(self.config.host, self.config.metrics_port, "metrics_port"):
@@ -101,6 +107,15 @@ class Server:
         self.engine_failed.set()
         self.serving.changed()
 
+    async def watch_keys(self) -> None:
+        """Read the keys file again whenever it changes (polled every KEYS_POLL_SECONDS)."""
+        while True:
+            await asyncio.sleep(KEYS_POLL_SECONDS)
+            await self.reload_keys()
+
+    async def reload_keys(self, force: bool = False) -> None:
+        await asyncio.to_thread(self.auth.reload, force)
+
     async def load(self) -> None:
         """Load the model named by the config (blocking work in a thread), then attach it."""
         engine = await asyncio.to_thread(Engine, self.config.model, self.config.engine)
@@ -129,6 +144,8 @@ class Server:
             await self.http.stop()
         await self.grpc.stop(grace=0 if self.hurrying.is_set() else 1.0)
         self.metrics.stop()
+        if self.keys_watch is not None:
+            self.keys_watch.cancel()
         if serving.engine is not None:
             await asyncio.to_thread(serving.engine.shutdown)
         log.info("stopped")
@@ -225,13 +242,21 @@ async def run(config: ServerConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hangup() -> None:  # SIGHUP: read the keys file now, changed or not
+        task = loop.create_task(server.reload_keys(force=True))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
     load = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop.wait())
     failed = asyncio.create_task(server.engine_failed.wait())
     await asyncio.wait({load, stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
     if load.done() and load.exception() is not None:
         failure = load.exception()
-        if isinstance(failure, FolderInUse):  # a mistake in how it was started: one line, no traceback
+        if isinstance(failure, (FolderInUse, UnreadableModel)):  # a mistake in how it was started: one line
             log.error("cannot start: %s", failure)
             await server.drain(delay_seconds=0)
             return 2

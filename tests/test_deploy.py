@@ -519,3 +519,77 @@ def test_registry_overlay_of_the_deploy_steps_renders_with_kubectl(tmp_path):
     images = _images(list(yaml.safe_load_all(out.stdout)))
     assert images == {"registry.example/ovserve-runtime:0.1.0", "registry.example/ovserve-convert:0.1.0"}
     assert "kubectl apply -n ovserve -k my-ovserve" in steps and "kustomize edit" not in DEPLOY_MD.read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# The fleet cache: deploy/k8s/fleet-cache (the store) under overlays/fleet (small's servers wired to it)
+
+FLEET = "overlays/fleet"
+STORE = "ovserve-kv"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_fleet_overlay_validates_strictly_and_builds_alike(version):
+    for doc in build(FLEET):
+        kubernetes_validate.validate(doc, version, strict=True)
+    if kubectl() is not None:
+
+        def key(d):
+            return (d["kind"], d["metadata"]["name"])
+
+        assert sorted(build_lite(FLEET), key=key) == sorted(build_kubectl(FLEET), key=key)
+
+
+def test_the_fleet_overlay_is_the_small_one_plus_the_store():
+    small, fleet = build("overlays/small"), build(FLEET)
+    names = {(d["kind"], d["metadata"]["name"]) for d in small}
+    added = {(d["kind"], d["metadata"]["name"]) for d in fleet} - names
+    assert added == {("StatefulSet", STORE), ("Service", STORE), ("NetworkPolicy", STORE)}
+    assert pod_spec(fleet)["containers"][0]["resources"] == pod_spec(small)["containers"][0]["resources"]
+
+
+def test_the_fleet_servers_reach_the_store_with_the_password_from_a_file(monkeypatch):
+    from service.config import parse_args
+
+    docs = build(FLEET)
+    for key in [k for k in os.environ if k.startswith("OVSERVE_")]:
+        monkeypatch.delenv(key)
+    for key, value in server_env(docs).items():
+        monkeypatch.setenv(key, value)
+    engine = parse_args(server_args(docs)).engine
+    assert not engine.problems()
+    service = one(docs, "Service", STORE)
+    port = service["spec"]["ports"][0]["port"]
+    assert engine.kv_remote_url == f"redis://{STORE}:{port}/0"
+    assert "@" not in engine.kv_remote_url  # no password in the URL, the environment or the flags
+    (mount,) = [m for m in server(docs)["volumeMounts"] if engine.kv_remote_password_file.startswith(m["mountPath"])]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod_spec(docs)["volumes"] if v["name"] == mount["name"]]
+    store = one(docs, "StatefulSet", STORE)["spec"]["template"]["spec"]["containers"][0]
+    (password,) = [e["valueFrom"]["secretKeyRef"] for e in store["env"] if e["name"] == "REDIS_PASSWORD"]
+    assert volume["secret"]["secretName"] == password["name"]
+    assert Path(engine.kv_remote_password_file).name == password["key"]
+
+
+def test_the_store_is_bounded_by_its_memory_policy_and_admits_only_servers():
+    docs = build(FLEET)
+    sts = one(docs, "StatefulSet", STORE)
+    spec = sts["spec"]["template"]["spec"]
+    (store,) = spec["containers"]
+    command = " ".join(store["args"])
+    maxmemory = int(re.search(r"--maxmemory (\d+)mb", command).group(1)) * 2**20
+    limit = mem_bytes(store["resources"]["limits"]["memory"])
+    assert "--maxmemory-policy allkeys-lru" in command and maxmemory <= 0.8 * limit
+    assert "--save ''" in command and "--appendonly no" in command  # a cache: users' text is never persisted
+    assert '--requirepass "$REDIS_PASSWORD"' in command
+    assert spec["securityContext"]["runAsNonRoot"] is True and spec["automountServiceAccountToken"] is False
+    assert store["securityContext"]["readOnlyRootFilesystem"] is True
+    assert matches(one(docs, "Service", STORE)["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    policy = one(docs, "NetworkPolicy", STORE)["spec"]
+    assert matches(policy["podSelector"], sts["spec"]["template"]["metadata"]["labels"])
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    server_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert matches(source["podSelector"], server_labels)
+    assert not matches(source["podSelector"], one(docs, "Job")["spec"]["template"]["metadata"]["labels"])
+    assert [p["port"] for p in rule["ports"]] == [6379]

@@ -62,14 +62,14 @@ def inject(monkeypatch, engine: Engine, stage: str) -> None:
 
         monkeypatch.setattr(engine_sampling, "sample", sample)
     elif stage == "sample_row":
-        real_penalties = sampler._apply_penalties
+        real_penalties = sampler._adjust_logits
 
         def penalties(row, params, output_token_ids, all_token_ids):
             if all_token_ids[0] == POISON:
                 raise RuntimeError("injected row failure")
             real_penalties(row, params, output_token_ids, all_token_ids)
 
-        monkeypatch.setattr(sampler, "_apply_penalties", penalties)
+        monkeypatch.setattr(sampler, "_adjust_logits", penalties)
     elif stage == "nan_row":  # the model computed NaN for the poisoned request's row
         real_sample = engine_sampling.sample
 

@@ -131,13 +131,28 @@ def test_logprobs(sdk, model):
         ({"stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"max_completion_tokens": 5, "max_tokens": "x"}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 1000}, "n"),
+        ({"n": "3"}, "n"),
+        ({"n": 1.5}, "n"),
+        ({"extra_body": {"best_of": 2}}, "best_of"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": 1}}},
             "response_format.json_schema.schema",
         ),
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias.abc"),
+        ({"logit_bias": {"1.5": 1}}, "logit_bias.1.5"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+        ({"logit_bias": {"5": -100.5}}, "logit_bias.5"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias.5"),
+        ({"logit_bias": {"5": True}}, "logit_bias.5"),
+        ({"logit_bias": {"5": 10**30}}, "logit_bias.5"),
+        ({"logit_bias": {"1000000000": 1}}, "logit_bias.1000000000"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias.-1"),
+        ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias.05"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
         ({"seed": -1}, "seed"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"extra_body": {"min_tokens": 99}, "max_tokens": 5}, "min_tokens"),
@@ -310,7 +325,7 @@ def test_metrics_and_logs_say_http(sdk, model, server, caplog):
     registry = server.server.metrics.registry
 
     def count(endpoint, status):
-        labels = {"endpoint": endpoint, "status": status}
+        labels = {"endpoint": endpoint, "status": status, "tenant": "default"}
         return registry.get_sample_value("ovserve_http_requests_total", labels) or 0.0
 
     before = count("chat.completions", "200"), count("chat.completions", "400")
@@ -361,7 +376,8 @@ def test_a_page_that_points_its_name_at_the_server_is_refused(server):
     # Origin check let it generate and read the reply; the Host header still carries the page's name
     port = server.server.http.port
     registry = server.server.metrics.registry
-    refused = registry.get_sample_value("ovserve_http_requests_total", {"endpoint": "any", "status": "403"}) or 0.0
+    host_refused = {"endpoint": "any", "status": "403", "tenant": ""}  # refused before any tenant is known
+    refused = registry.get_sample_value("ovserve_http_requests_total", host_refused) or 0.0
     rebound = {"host": f"evil.example:{port}", "origin": f"http://evil.example:{port}"}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/")):
@@ -369,7 +385,7 @@ def test_a_page_that_points_its_name_at_the_server_is_refused(server):
         assert reply.status_code == 403, reply.text
         error = reply.json()["error"]
         assert error["code"] == "host_not_allowed" and "evil.example" in error["message"]
-    assert registry.get_sample_value("ovserve_http_requests_total", {"endpoint": "any", "status": "403"}) == refused + 3
+    assert registry.get_sample_value("ovserve_http_requests_total", host_refused) == refused + 3
     for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
         own = {"host": host, "origin": f"http://{host}"}
         assert httpx.post(server.url + "/v1/chat/completions", json=body, headers=own).status_code == 200
@@ -534,7 +550,7 @@ def test_metrics_on_the_api_port_and_the_ready_line(server, sdk, model, caplog):
     chat(sdk, model, **GREEDY)
     page = httpx.get(server.url + "/metrics", timeout=TIMEOUT)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
-    assert 'ovserve_http_requests_total{endpoint="chat.completions",status="200"}' in page.text
+    assert 'ovserve_http_requests_total{endpoint="chat.completions",status="200",tenant="default"}' in page.text
     line = server.server.ready_line(server.engine)
     for place in (f"gRPC 127.0.0.1:{server.server.port}", f"OpenAI API {server.url}/v1", f"playground {server.url}/"):
         assert place in line

@@ -291,3 +291,32 @@ def test_the_tools_demo_shows_a_valid_call_end_to_end(tiny_qwen3_ir):
     parsed = re.search(r"^parsed: get_weather\((\{.*\})\); finish_reason 'tool_calls'$", out, re.M)
     assert parsed, out
     assert "== the tool's result sent back" in out and "stopped" in result.stderr
+
+
+def test_each_of_n_candidates_keeps_its_own_format_and_calls(tiny, smol):
+    """Every candidate has its own grammar state: n sampled candidates are each a valid call or a valid object."""
+    running, sdk, model = tiny
+    options = {"tools": TOOLS, "tool_choice": "required", "temperature": 1.5, "seed": 2, "max_tokens": 300, "n": 3}
+    whole = sdk.chat.completions.create(model=model, messages=ASK, **options)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert isinstance(json.loads(call.function.arguments), dict)
+    chunks = list(sdk.chat.completions.create(model=model, messages=ASK, stream=True, **options))
+    for index, choice in enumerate(whole.choices):
+        calls, finish = streamed_calls([c for c in chunks if c.choices and c.choices[0].index == index])
+        assert finish == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+        ]
+    assert wait_idle(running.engine).num_free_blocks == running.engine.stats().num_total_blocks
+    running, sdk, model = smol
+    fmt = json_schema("person") if "person" in SCHEMAS else json_schema(sorted(SCHEMAS)[0])
+    name = fmt["json_schema"]["name"]
+    reply = sdk.chat.completions.create(
+        model=model, messages=ASK, response_format=fmt, temperature=1.6, seed=4, max_tokens=200, n=2
+    )
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name])

@@ -195,6 +195,66 @@ def test_an_error_shows_in_view_next_to_the_setting_it_names(small_window, serve
     assert page.execute_script("return history.map(m => m.role)") == ["user", "assistant"]
 
 
+@pytest.fixture(scope="module")
+def locked_server(tiny_qwen3_ir, tmp_path_factory):
+    from tests.support.servers import Running, base_config, free_port
+
+    token = tmp_path_factory.mktemp("locked") / "token"
+    token.write_text(TOKEN + "\n")
+    running = Running(base_config(tiny_qwen3_ir, http_port=free_port(), auth_token_file=str(token)))
+    yield running
+    running.stop()
+
+
+TOKEN = "s3cret"
+
+
+def enter_token(page, token: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    field = page.find_element("id", "token")
+    field.clear()
+    field.send_keys(token, Keys.TAB)  # leaving the field sends it: the page asks for the model with it
+
+
+def test_a_server_with_a_token_asks_for_it_and_says_in_view_when_it_is_missing_or_wrong(browser, locked_server):
+    page = browser
+    page.get(f"http://127.0.0.1:{locked_server.server.http.port}/")
+    page.execute_script("localStorage.clear()")
+    size = page.get_window_size()
+    page.set_window_size(560, 480)  # one column: the token field is far below the conversation
+    try:
+        page.refresh()
+        notice, model = page.find_element("id", "notice"), page.find_element("id", "model")
+        wait_for(lambda: model.text == "token needed")  # the page asks for it as it opens
+        assert notice.text.startswith("API token: this server needs a token") and in_view(page, notice)
+        token_label = page.find_element("id", "token").find_element("xpath", "..")
+        assert token_label.find_element("class name", "field-error").text.startswith("this server needs a token")
+        for token, says in (("", "this server needs a token"), ("wrong", "the server refused this token")):
+            if token:
+                enter_token(page, token)
+                wait_for(lambda: says in notice.text)  # noqa: B023 (called before the loop moves on)
+            send(page, "Hello there")
+            # the send failed: the message back in the composer, nothing in the conversation, the reason in view
+            wait_for(lambda: page.find_element("id", "message").get_attribute("value") == "Hello there")
+            assert (
+                page.find_elements("css selector", ".message") == []
+                and page.execute_script("return history.length") == 0
+            )
+            assert notice.text == f"API token: {says}: enter the one in the file given to --auth-token-file"
+            assert in_view(page, notice) and page.find_element("id", "send").is_enabled()
+            page.find_element("id", "message").clear()
+        enter_token(page, TOKEN)
+        wait_for(lambda: model.text == locked_server.engine.info.model_id)
+        assert not notice.is_displayed() and page.find_elements("css selector", ".field-error") == []
+        fill(page, max_tokens=4)
+        send(page, "Hello there")
+        wait_for(lambda: answered(page, 1))
+        assert "finished" in replies(page)[0].find_element("class name", "stats").text
+    finally:
+        page.set_window_size(size["width"], size["height"])
+
+
 LOG_SCROLL = "const log = document.getElementById('log'); return [log.scrollTop, log.scrollHeight - log.clientHeight]"
 
 

@@ -212,3 +212,91 @@ def test_a_stop_string_in_the_held_back_tail_ends_the_text_at_flush():
     assert d.add([0, 1, 2, 3]) == ""  # ends in an incomplete character: nothing shown yet
     assert d.flush() == "Hello" and d.stopped
     assert d.flush() == ""
+
+
+# -- logit_bias ----------------------------------------------------------------------------------------------
+def bitmask(allowed_ids, vocab=V) -> np.ndarray:
+    """A grammar's bitmask row ([1, words] int32) allowing these token ids."""
+    bits = np.zeros(-(-vocab // 32) * 32, dtype=bool)
+    bits[list(allowed_ids)] = True
+    return np.packbits(bits, bitorder="little").view(np.int32)[None]
+
+
+def test_a_bias_of_minus_100_bans_the_greedy_token_and_plus_100_forces_one():
+    x = logits_for(1, seed=11)
+    order = np.argsort(-x[0])
+    best, second, worst = int(order[0]), int(order[1]), int(order[-1])
+    assert sample(x.copy(), [req(logit_bias=((best, -100.0),))]).token_ids == [second]
+    assert sample(x.copy(), [req(logit_bias=((worst, 100.0),))]).token_ids == [worst]
+    forced = req(temperature=1.5, seed=3, logit_bias=((worst, 100.0),))
+    assert {sample(x.copy(), [forced]).token_ids[0] for _ in range(50)} == {worst}
+    banned = req(temperature=1.0, seed=4, logit_bias=tuple((int(t), -100.0) for t in order[:5]))
+    assert not {sample(x.copy(), [banned]).token_ids[0] for _ in range(300)} & set(order[:5].tolist())
+
+
+def test_a_bias_touches_only_its_own_row_and_shifts_the_distribution_it_samples():
+    x = logits_for(2, seed=12)
+    plain, biased = req(), req(logit_bias=((7, 3.0),))
+    out = sample(x.copy(), [plain, biased], ())
+    assert out.token_ids[0] == int(x[0].argmax())
+    shifted = x[1].copy()
+    shifted[7] += 3.0
+    assert out.token_ids[1] == int(shifted.argmax())
+    # logprobs are those of the distribution sampled: the biased one
+    lp = sample(x[1:].copy(), [req(logit_bias=((7, 3.0),), logprobs=1)]).logprobs[0]
+    log_z = shifted.max() + np.log(np.exp(shifted - shifted.max()).sum())
+    assert lp is not None and lp.token_id == int(shifted.argmax())
+    assert lp.logprob == pytest.approx(float(shifted[lp.token_id] - log_z), abs=1e-5)
+
+
+def test_a_bias_never_lets_through_a_token_the_grammar_forbids():
+    x = logits_for(1, seed=13)
+    allowed_ids = {3, 4}
+    forbidden = next(t for t in np.argsort(-x[0]) if t not in allowed_ids)
+    for r in (req(logit_bias=((int(forbidden), 100.0),)), req(temperature=1.0, seed=1, logit_bias=((9, 100.0),))):
+        assert all(sample(x.copy(), [r], [bitmask(allowed_ids)]).token_ids[0] in allowed_ids for _ in range(30))
+    # within what the grammar allows, the bias still decides
+    favoured = req(logit_bias=((3, 100.0),))
+    assert sample(x.copy(), [favoured], [bitmask(allowed_ids)]).token_ids == [3]
+    rows = np.repeat(x, 2, axis=0)
+    out = verify(
+        rows, req(logit_bias=((int(forbidden), 100.0),)), [int(forbidden)], np.repeat(bitmask(allowed_ids), 2, 0)
+    )
+    assert out.token_ids[0] in allowed_ids
+
+
+def test_a_bias_applies_after_penalties_and_beside_min_new_tokens():
+    x = np.zeros((1, V), dtype=np.float32)
+    x[0, 0] = 5.0  # eos, banned while min_new_tokens is pending: a bias cannot bring it back
+    r = req(min_new_tokens=2, eos_token_ids=(0,), logit_bias=((0, 100.0), (6, 1.0)))
+    assert sample(x.copy(), [r]).token_ids == [6]
+    x[0, 8] = 4.0  # repeated in the prompt: the penalty divides the logit, then the bias is added unscaled
+    r = req(prompt=(8,), repetition_penalty=2.0, logit_bias=((8, 1.5),))
+    assert sample(x.copy(), [r]).token_ids == [0]
+    r = req(prompt=(8,), repetition_penalty=2.0, logit_bias=((8, 3.5),))  # 4 / 2 + 3.5 > 5
+    assert sample(x.copy(), [r]).token_ids == [8]
+
+
+@pytest.mark.parametrize(
+    ("bias", "field"),
+    [
+        ({V: 1.0}, f"logit_bias.{V}"),
+        ({-1: 1.0}, "logit_bias.-1"),
+        ({3: 100.5}, "logit_bias.3"),
+        ({3: -101.0}, "logit_bias.3"),
+        ({3: float("nan")}, "logit_bias.3"),
+        ({3: float("inf")}, "logit_bias.3"),
+        ({i: 1.0 for i in range(301)}, "logit_bias"),
+    ],
+)
+def test_invalid_logit_bias_names_the_entry(bias, field):
+    params = SamplingParams(logit_bias=tuple(sorted(bias.items())))
+    with pytest.raises(InvalidArgument) as err:
+        params.validate(max_new_tokens_limit=4096, vocab_size=V if len(bias) < 300 else 1000)
+    assert err.value.field == field
+
+
+def test_the_limits_of_logit_bias_are_accepted():
+    SamplingParams(logit_bias=tuple((i, 100.0 if i % 2 else -100.0) for i in range(300))).validate(4096, 1000)
+    with pytest.raises(InvalidArgument, match="twice"):
+        SamplingParams(logit_bias=((1, 1.0), (1, 2.0))).validate(4096, 1000)

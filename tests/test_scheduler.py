@@ -125,7 +125,7 @@ def test_preemption_by_recompute_and_resume():
     plan = step(s)  # a takes the last block for its 9th token; b needs one too and is preempted
     assert [r.label for r in plan.preempted] == ["b"]
     assert b.status is Status.WAITING and b.num_computed_tokens == 0
-    assert s.waiting[0] is b
+    assert next(iter(s.waiting)) is b
     assert s.num_preemptions == 1
     s.finish(a)
     plan = s.schedule()  # b resumes: its two full blocks (prompt + first generated token) from the cache
@@ -215,16 +215,21 @@ def test_expired_request_is_dropped_and_freed():
 
 
 class FakeDisk:
-    """Stands in for the disk tier: it holds the blocks whose digests it was given."""
+    """Stands in for the tiers below RAM: the disk holds the blocks whose digests it was given; with remote, the
+    rest of every chain is tried remotely (as a remote tier that answers does)."""
 
-    def __init__(self, digests=()) -> None:
+    def __init__(self, digests=(), remote: bool = False) -> None:
         self.digests = set(digests)
+        self.remote = remote
 
     def count_chain(self, digests) -> int:
         n = 0
         while n < len(digests) and digests[n] in self.digests:
             n += 1
         return n
+
+    def count_remote(self, digests) -> int:
+        return len(digests) if self.remote else 0
 
     def touch(self, digests) -> None:
         pass
@@ -309,6 +314,31 @@ def test_two_requests_needing_the_same_blocks_load_them_once():
     assert b.num_cached_tokens == 12 and b.num_restored_tokens == 0  # found in RAM once a restored them
 
 
+def test_a_chain_continues_from_disk_into_the_remote_tier_and_usage_says_where_it_came_from():
+    disk = FakeDisk(remote=True)
+    s = with_disk(disk)
+    r = request("a", 18)
+    disk.digests.update(digests_of(s, r)[:1])
+    s.add(r)
+    load = s.schedule().loads[0]
+    assert len(load.digests) == 4  # one block on disk, three tried remotely
+    s.loaded(r.id, 3, num_remote=2)  # the remote tier had two of them
+    assert (r.num_computed_tokens, r.num_cached_tokens) == (12, 12)
+    assert (r.num_restored_tokens, r.num_remote_tokens) == (4, 8)
+    assert (s.num_restored_tokens, s.num_remote_tokens) == (4, 8)
+    assert s.kv.num_blocks(r.id) == 3  # the block tried in vain is given back
+
+
+def test_a_remote_try_never_holds_a_request_back_for_lack_of_blocks():
+    disk = FakeDisk(remote=True)
+    s = with_disk(disk, num_blocks=6)  # fewer than the 30-token prompt's seven full blocks
+    r = request("a", 30)
+    s.add(r)
+    plan = s.schedule()
+    assert not plan.loads and [c.request for c in plan.chunks] == [r]  # computed, as without the tier
+    assert r.num_remote_tokens == 0
+
+
 def test_a_request_finished_while_loading_frees_its_blocks_when_the_load_ends():
     s, r = queued_with_three_blocks_on_disk()
     s.schedule()
@@ -340,3 +370,73 @@ def test_loading_requests_count_towards_max_num_seqs():
     assert s.schedule().loads and s.schedule().empty
     s.loaded(a.id, 3)
     assert [c.request for c in s.schedule().chunks] == [a]
+
+
+# -- the candidates of an n > 1 request ----------------------------------------------------------------------
+def candidates(n: int, prompt_len: int, **kw) -> list[Request]:
+    """n requests for one prompt, the later ones following the first, as the engine's front makes them."""
+    first = request("c0", prompt_len, start=500, **kw)
+    return [first] + [
+        Request(next(IDS), list(first.prompt_token_ids), first.params, label=f"c{i}", leader=first) for i in range(1, n)
+    ]
+
+
+def test_later_candidates_wait_for_the_prompt_then_compute_only_its_last_partial_block():
+    s = make(budget=16, max_num_seqs=8)
+    group = candidates(3, 30)  # 7 full blocks of 4 before the last token, then 2 tokens
+    for r in group:
+        s.add(r)
+    computed = {r.id: 0 for r in group}
+    while any(r.num_output_tokens == 0 for r in group):
+        for chunk in step(s).chunks:  # prompt tokens computed (the first one decodes meanwhile)
+            computed[chunk.request.id] += max(0, min(chunk.start + chunk.num_tokens, 30) - chunk.start)
+    first, *later = group
+    assert computed[first.id] == 30
+    assert [computed[r.id] for r in later] == [2, 2]  # the 28 tokens of the full blocks were read, not computed
+    assert [r.num_cached_tokens for r in later] == [28, 28] and first.num_cached_tokens == 0
+    assert s.num_shared_prompt_tokens == 56
+    # the candidates hold the prompt's full blocks together, by reference
+    tables = [s.kv.block_ids(r.id) for r in group]
+    assert tables[0][:7] == tables[1][:7] == tables[2][:7]
+    assert len({t[7] for t in tables}) == 3
+    for r in group:
+        s.finish(r)
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks  # nothing leaks
+
+
+def test_candidates_of_a_short_prompt_start_together():
+    s = make(budget=16, max_num_seqs=8)
+    group = candidates(3, 4)  # no full block before the last token: nothing to share, nothing to wait for
+    for r in group:
+        s.add(r)
+    plan = step(s)
+    assert [c.request for c in plan.chunks] == group
+    assert s.num_shared_prompt_tokens == 0
+
+
+def test_a_later_candidate_does_not_wait_for_a_leader_that_ended_or_without_a_prefix_cache():
+    s = make(budget=16, max_num_seqs=8)
+    first, later = candidates(2, 30)
+    s.add(first)
+    s.add(later)
+    s.finish(first)  # aborted before computing anything
+    plan = step(s)
+    assert [c.request for c in plan.chunks] == [later]
+    s = make(budget=64, max_num_seqs=8, prefix=False)
+    group = candidates(2, 30)
+    for r in group:
+        s.add(r)
+    assert [c.request for c in step(s).chunks] == group
+
+
+def test_aborting_every_candidate_mid_prompt_frees_every_block():
+    s = make(budget=16, max_num_seqs=8, num_blocks=32)
+    group = candidates(4, 30)
+    for r in group:
+        s.add(r)
+    for _ in range(3):
+        step(s)
+    for r in group:
+        s.finish(r)
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+    assert not s.requests and not s.waiting and not s.running

@@ -50,8 +50,11 @@ def _run_chunk(chunk, memory: dict[int, list[int | None]]) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix", "no-prefix"])
-def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, prefix_caching: bool):
+@pytest.mark.parametrize("num_tenants", [1, 3], ids=["one-tenant", "tenants"])
+def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, prefix_caching: bool, num_tenants: int):
+    """With several tenants (weights, priorities) fair admission preempts too: the same must hold."""
     rng = random.Random(seed)
+    weights = [rng.choice([0.5, 1.0, 3.0]) for _ in range(num_tenants)]
     num_blocks = rng.choice([12, 20, 40])  # small pools force preemption
     s = Scheduler(
         EngineConfig(max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([8, 16, 64])),
@@ -69,7 +72,9 @@ def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, pre
                 prompt = earlier.all_token_ids + [rng.randrange(97) for _ in range(rng.randint(1, 6))]
             prompt = prompt[: num_blocks * BS // 2]  # fits the pool on its own
             num_new = rng.randint(1, 10)
-            request = Request(i, prompt, SamplingParams(max_new_tokens=num_new))
+            k = rng.randrange(num_tenants)
+            tenant = {"tenant": f"t{k}", "tenant_weight": weights[k], "priority": rng.randint(-2, 2)}
+            request = Request(i, prompt, SamplingParams(max_new_tokens=num_new), **tenant)
             targets[request.id] = len(prompt) + num_new
             s.add(request)
         if rng.random() < 0.05 and (s.running or s.waiting):

@@ -103,7 +103,8 @@ def test_expired_deadlines_are_counted_as_deadline_exceeded(client, server):
     registry = server.server.metrics.registry
 
     def count(code: str) -> float:
-        return registry.get_sample_value("ovserve_requests_total", {"rpc": "GenerateStream", "code": code}) or 0.0
+        labels = {"rpc": "GenerateStream", "code": code, "tenant": "default"}
+        return registry.get_sample_value("ovserve_requests_total", labels) or 0.0
 
     before = count("DEADLINE_EXCEEDED"), count("CANCELLED")
     for _ in range(3):
@@ -295,6 +296,16 @@ def test_overload_is_resource_exhausted(limits_server):
     wait_idle(limits_server.engine)
 
 
+def test_more_candidates_than_the_server_ever_holds_is_invalid_not_a_full_queue(limits_server):
+    """One sequence and no queue: n=2 could never be served, so retrying would not help (no RESOURCE_EXHAUSTED)."""
+    with Client(limits_server.target) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt="hi", max_new_tokens=2, n=2, timeout=TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("n: must be at most 1 here")
+        assert len(c.generate(prompt="hi", max_new_tokens=2, n=1, timeout=TIMEOUT).token_ids) == 2
+
+
 # Loading, serving and draining: test_http.py, on both fronts of one server.
 
 
@@ -399,12 +410,12 @@ def test_metrics_endpoint(server):
     after = metric_samples(port)
     added = {name: value - before.get(name, 0.0) for name, value in after.items()}
     for name, value in (
-        ('ovserve_requests_total{code="OK",rpc="GenerateStream"}', 1.0),
-        ('ovserve_requests_total{code="INVALID_ARGUMENT",rpc="Generate"}', 1.0),
-        ("ovserve_time_to_first_token_seconds_count", 1.0),
+        ('ovserve_requests_total{code="OK",rpc="GenerateStream",tenant="default"}', 1.0),
+        ('ovserve_requests_total{code="INVALID_ARGUMENT",rpc="Generate",tenant="default"}', 1.0),
+        ('ovserve_time_to_first_token_seconds_count{tenant="default"}', 1.0),
         ("ovserve_inter_token_latency_seconds_count", 3.0),
-        ("ovserve_request_latency_seconds_count", 2.0),
-        ("ovserve_queue_time_seconds_count", 1.0),
+        ('ovserve_request_latency_seconds_count{tenant="default"}', 2.0),
+        ('ovserve_queue_time_seconds_count{tenant="default"}', 1.0),
         ("ovserve_spec_verify_steps_total", 0.0),
         ("ovserve_grammar_mask_wait_seconds_total", 0.0),
     ):
@@ -420,3 +431,46 @@ def test_metrics_endpoint(server):
         assert name in after, name
     assert added["ovserve_generated_tokens_total"] >= 4
     assert added["ovserve_prompt_tokens_total"] >= 2
+
+
+@pytest.mark.parametrize("damaged", ["openvino_model.xml", "tokenizer.json"])
+def test_a_damaged_model_file_is_named_in_one_line_without_a_traceback(smollm2_ir, tmp_path, caplog, damaged):
+    import asyncio
+
+    from service.config import ServerConfig
+    from service.process import run as serve
+
+    for source in Path(smollm2_ir).iterdir():
+        (tmp_path / source.name).symlink_to(source)
+    whole = (tmp_path / damaged).read_bytes()
+    (tmp_path / damaged).unlink()
+    (tmp_path / damaged).write_bytes(whole[: len(whole) // 2])  # cut short, as by a full disk or a killed copy
+    config = ServerConfig(model=str(tmp_path), port=free_port(), http_port=0, metrics_port=0)
+    assert asyncio.run(serve(config)) == 2  # a mistake in what it was given, not a failure of the server
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is None, caplog.text
+    assert errors[0].getMessage().startswith(f"cannot start: {tmp_path / damaged} is not ")
+    assert "convert the model again with `python -m convert SOURCE DIR --force`" in errors[0].getMessage()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(smollm2_ir):
+    # the first Ctrl-C drains: it waits (here up to 120 s) for the request in flight; the second cuts that short
+    proc, port = start_process("service", smollm2_ir, "--drain-grace-seconds", "120")
+    try:
+        with Client(f"127.0.0.1:{port}") as c:
+            running = c.stream(prompt="Count slowly", max_new_tokens=3000, ignore_eos=True, timeout=TIMEOUT * 4)
+            next(running)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(1)
+            assert proc.poll() is None  # draining: the request still runs
+            second = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+            assert time.monotonic() - second < 10
+            with pytest.raises(grpc.RpcError):
+                list(running)  # cut off: it never finished its 3,000 tokens
+        log = proc.stderr.read()
+        assert "second signal: stopping now" in log and "Traceback" not in log, log[-3000:]
+    finally:
+        proc.kill()

@@ -23,6 +23,7 @@ from service.process import Server, start_server
 from service.rpc.front import authorized
 from service.rpc.status import status_details, status_of
 from service.rpc.wire import generation_request, sampling_params, stream_response, tokenize_ids, unary_response
+from service.serving.auth import Auth
 from tests.support.fakes import INFO, FakeEngine, FakeTokenizer, LoopThread
 from tests.support.paths import ROOT
 from tests.support.servers import free_port, self_signed_cert
@@ -165,16 +166,19 @@ def test_error_table():
 
 
 # -- auth ------------------------------------------------------------------------------------------------
-def test_authorized():
+def test_authorized(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t0k\n")
+    auth = Auth.from_files(str(token), None)
     gen = "/ovserve.v1.Generation/Generate"
-    assert authorized(gen, (("authorization", "Bearer t0k"),), "t0k")
-    assert not authorized(gen, (("authorization", "Bearer nope"),), "t0k")
-    assert not authorized(gen, (("authorization", "t0k"),), "t0k")
-    assert authorized(gen, (("authorization", "bearer t0k"),), "t0k")  # the scheme is case-insensitive
-    assert not authorized(gen, (("authorization", "Basic t0k"),), "t0k")
-    assert not authorized(gen, (), "t0k") and not authorized(gen, None, "t0k")
-    assert authorized("/grpc.health.v1.Health/Check", (), "t0k")
-    assert not authorized("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (), "t0k")
+    assert authorized(gen, (("authorization", "Bearer t0k"),), auth)
+    assert not authorized(gen, (("authorization", "Bearer nope"),), auth)
+    assert not authorized(gen, (("authorization", "t0k"),), auth)
+    assert authorized(gen, (("authorization", "bearer t0k"),), auth)  # the scheme is case-insensitive
+    assert not authorized(gen, (("authorization", "Basic t0k"),), auth)
+    assert not authorized(gen, (), auth) and not authorized(gen, None, auth)
+    assert authorized("/grpc.health.v1.Health/Check", (), auth)
+    assert not authorized("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", (), auth)
 
 
 def test_a_tls_key_that_is_not_the_certificates_is_named_at_start(tmp_path):
@@ -243,9 +247,10 @@ def test_allowed_hosts_are_names_and_a_loopback_server_answers_only_them_localho
 
 def model_folder(folder) -> str:
     """A folder that passes the start's model check (the model is never loaded in these tests)."""
-    for name in ("config.json", "generation_config.json", "manifest.json"):
+    for name in ("config.json", "generation_config.json", "manifest.json", "tokenizer.json"):
         (folder / name).write_text("{}")
     (folder / "openvino_model.xml").write_text("<net/>")
+    (folder / "openvino_model.bin").write_bytes(b"")
     return str(folder)
 
 
@@ -282,18 +287,37 @@ def test_a_taken_port_is_named_with_its_flag(caplog, tmp_path, which):
         assert asyncio.run(serve(ServerConfig(model=model_folder(tmp_path), **ports))) == 2
     finally:
         taken.close()
-    flag = "--" + which.replace("_", "-")
-    assert f"cannot listen on 127.0.0.1:{ports[which]}" in caplog.text and flag in caplog.text
+    flag, variable = "--" + which.replace("_", "-"), "OVSERVE_" + which.upper()
+    assert f"cannot listen on 127.0.0.1:{ports[which]}" in caplog.text
+    assert f"choose another with {flag} or {variable}" in caplog.text
     assert "Traceback" not in caplog.text
 
 
-def test_a_model_folder_without_a_model_is_named_before_any_port_is_bound(caplog, tmp_path):
+def tokenizer_missing(folder):
+    model_folder(folder)
+    (folder / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda folder: None, "{folder} holds no openvino_model.xml; convert a model with `python -m convert`"),
+        (lambda folder: folder.rmdir(), "{folder} does not exist; convert a model into it with `python -m convert"),
+        (lambda folder: folder.rmdir() or folder.write_text(""), "{folder} is a file, not a model folder"),
+        (tokenizer_missing, "{folder} holds no tokenizer.json: an incomplete model; convert the model again"),
+    ],
+    ids=["empty", "absent", "a file", "no tokenizer"],
+)
+def test_a_model_folder_without_a_model_is_named_before_any_port_is_bound(caplog, tmp_path, make, says):
     from service.process import run as serve
 
+    folder = tmp_path / "model"
+    folder.mkdir()
+    make(folder)
     port = free_port()
-    assert asyncio.run(serve(ServerConfig(model=str(tmp_path), port=port, http_port=0, metrics_port=0))) == 2
-    assert f"cannot start: --model {tmp_path}: {tmp_path} holds no openvino_model.xml" in caplog.text
-    assert "listening" not in caplog.text
+    assert asyncio.run(serve(ServerConfig(model=str(folder), port=port, http_port=0, metrics_port=0))) == 2
+    assert f"cannot start: --model {folder}: {says.format(folder=folder)}" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["ERROR"] and "listening" not in caplog.text
 
 
 def test_version_and_grouped_help(capsys):
@@ -392,6 +416,19 @@ def test_config_defaults_env_and_flags():
 def test_config_errors(argv, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv, env={})
+
+
+@pytest.mark.parametrize("flag", ["--auth-token-file", "--chat-template", "--tls-cert", "--tls-key"])
+def test_a_file_flag_naming_no_file_is_one_line_at_start(flag, tmp_path, capsys):
+    present = tmp_path / "present.pem"
+    present.write_text("x")
+    pair = {"--tls-cert": "--tls-key", "--tls-key": "--tls-cert"}  # each needs the other
+    other = [pair[flag], str(present)] if flag in pair else []
+    for given, says in ((tmp_path / "absent", "no such file"), (tmp_path, "not a file")):
+        with pytest.raises(SystemExit) as done:
+            parse_args(["--model", "m", flag, str(given), *other])
+        assert done.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"python -m service: error: {flag} {given}: {says}"
 
 
 def test_config_bad_env():
@@ -536,7 +573,7 @@ def test_openai_requests_take_the_models_sampling_defaults_then_openais():
 def test_model_files_read_sampling_defaults(tmp_path):
     from service.engine.model_files import ModelFiles
 
-    (tmp_path / "openvino_model.xml").write_text("")
+    model_folder(tmp_path)
     config = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True, "min_p": None, "eos_token_id": 2}
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
     assert ModelFiles.read(tmp_path).sampling_defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20.0}
@@ -564,7 +601,7 @@ def test_the_start_log_says_which_sampling_http_requests_get_and_from_where():
 def test_model_files_refuse_out_of_range_sampling_defaults_naming_the_file(tmp_path, field, value):
     from service.engine.model_files import ModelFiles
 
-    (tmp_path / "openvino_model.xml").write_text("")
+    model_folder(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({field: value}))
     with pytest.raises(ValueError, match=rf"generation_config\.json: {field}: "):
         _ = ModelFiles.read(tmp_path).sampling_defaults
@@ -578,8 +615,8 @@ def test_tokens_that_arrive_together_share_the_inter_token_gap():
     for ids in ((1,), (2, 3, 4), (5, 6), ()):  # an output without tokens (the final one may be) is no tick
         clock.tick(RequestOutput("r", ids, ""))
     value = metrics.registry.get_sample_value
-    assert value("ovserve_time_to_first_token_seconds_count") == 1
-    assert value("ovserve_time_to_first_token_seconds_sum") == 1.0
+    assert value("ovserve_time_to_first_token_seconds_count", {"tenant": ""}) == 1
+    assert value("ovserve_time_to_first_token_seconds_sum", {"tenant": ""}) == 1.0
     assert value("ovserve_inter_token_latency_seconds_count") == 5
     assert value("ovserve_inter_token_latency_seconds_sum") == 5.0
     assert value("ovserve_inter_token_latency_seconds_bucket", {"le": "1.0"}) == 5

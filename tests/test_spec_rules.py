@@ -184,6 +184,8 @@ PARAMS = [
     {"temperature": 1.0, "presence_penalty": 1.5, "frequency_penalty": 0.8, "seed": 6},
     {"temperature": 1.0, "repetition_penalty": 2.0, "seed": 7},
     {"temperature": 1.0, "min_new_tokens": 3, "eos_token_ids": (0,), "seed": 8},
+    {"temperature": 0.0, "logit_bias": ((1, 2.5), (4, -100.0))},
+    {"temperature": 0.9, "seed": 9, "logit_bias": ((2, 1.5), (5, -3.0)), "presence_penalty": 0.5},
 ]
 
 

@@ -379,7 +379,9 @@ def test_off_requests_on_a_real_server_verify_no_drafts(tiny_qwen3_fp16_ir, ever
         def accepted(**extra):
             reply = httpx.post(url, json=body | extra, timeout=TIMEOUT)
             assert reply.status_code == 200, reply.text
-            return reply.json()["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+            details = reply.json()["usage"]["completion_tokens_details"]
+            assert details["accepted_prediction_tokens"] == 0  # lookup's drafts are no predicted output's
+            return details["accepted_draft_tokens"]
 
         assert accepted(speculation="off") == 0 and accepted(speculation="auto") > 0
         refused = httpx.post(url, json=body | {"speculation": "always"}, timeout=TIMEOUT)

@@ -13,11 +13,13 @@ from typing import Any
 from service.core.params import SPECULATION_MODES
 
 INFERENCE_PRECISIONS = ("f32", "bf16", "f16")
+REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
 
-def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field carrying its command-line help (and allowed values) in its metadata."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+    """A dataclass field carrying its command-line help (and allowed values) in its metadata. A secret one (it
+    may hold a password) is left out of the config's repr."""
+    return field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,23 @@ class EngineConfig:
         "a Jinja chat template file replacing the model's own (templates/qwen3-instruct-2507.jinja: Qwen3's, with "
         "tool calling)",
     )
+    max_n: int = setting(
+        8,
+        "candidates (n) one request may ask for at most; each counts as a request against --max-num-seqs and "
+        "--max-queue",
+    )
     max_queue: int = setting(256, "requests waiting beyond the running ones before RESOURCE_EXHAUSTED")
+    max_queued_per_tenant: int | None = setting(
+        None,
+        "requests of one tenant waiting beyond max_num_seqs running before its next one gets RESOURCE_EXHAUSTED "
+        "(HTTP 429), so that one tenant cannot fill --max-queue for the others (default: only --max-queue applies)",
+    )
+    fair_admission: bool = setting(
+        True,
+        "admit waiting requests fairly across tenants (weighted fair queuing over the tokens computed for each, "
+        "and a tenant under its share of max_num_seqs takes a place from the tenant furthest over its share); "
+        "--no-fair-admission admits them in arrival order (priority first)",
+    )
     batch_window_ms: float = setting(0.0, "wait this long after an arrival to gather a burst into one step")
     enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
     kv_disk_dir: str | None = setting(
@@ -71,6 +89,26 @@ class EngineConfig:
     kv_disk_gb: float = setting(10.0, "size of the disk tier in GiB; least recently used blocks are removed first")
     kv_disk_ttl_seconds: float = setting(
         0.0, "remove disk-tier blocks unused for this long (0: only when space runs out)"
+    )
+    kv_remote_url: str | None = setting(
+        None,
+        "the fleet cache: a Redis 7 or Valkey store shared by every replica of the model, as redis://host:port/db "
+        "(rediss:// for TLS). Full KV blocks are published there as they fill and fetched by any replica instead "
+        "of recomputed; the store is never required (down or slow, prefixes are computed). Give the password "
+        "with --kv-remote-password-file rather than in the URL (default: no remote tier)",
+        secret=True,
+    )
+    kv_remote_password_file: str | None = setting(
+        None, "a file holding the remote store's password (a mounted Secret); a user goes in the URL"
+    )
+    kv_remote_ca_cert: str | None = setting(None, "CA certificates (PEM) to check a rediss:// store's certificate")
+    kv_remote_ttl_seconds: float = setting(
+        0.0,
+        "remote blocks unused for this long expire (0: only the store's own eviction, maxmemory and allkeys-lru, "
+        "bounds them)",
+    )
+    kv_remote_timeout_seconds: float = setting(
+        1.0, "a remote store operation not answered within this long fails, and the store is taken for down"
     )
     speculation: str = setting(
         "off",
@@ -108,6 +146,11 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
+            (self.max_n >= 1, "max_n must be at least 1"),
+            (
+                self.max_queued_per_tenant is None or self.max_queued_per_tenant >= 0,
+                "max_queued_per_tenant must be >= 0",
+            ),
             (self.batch_window_ms >= 0, "batch_window_ms must be >= 0"),
             (self.kv_disk_gb > 0, "kv_disk_gb must be > 0"),
             (
@@ -118,6 +161,19 @@ class EngineConfig:
                 not self.kv_disk_dir or self.enable_prefix_caching,
                 "kv_disk_dir needs prefix caching: it stores the prefix cache's blocks",
             ),
+            (
+                not self.kv_remote_url or self.kv_remote_url.split("://")[0] in REMOTE_SCHEMES,
+                f"kv_remote_url must start with one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}",
+            ),
+            (
+                not self.kv_remote_url or self.enable_prefix_caching,
+                "kv_remote_url needs prefix caching: it stores the prefix cache's blocks",
+            ),
+            (
+                0 <= self.kv_remote_ttl_seconds < math.inf,
+                "kv_remote_ttl_seconds must be >= 0 and finite (0: no time limit)",
+            ),
+            (0 < self.kv_remote_timeout_seconds < math.inf, "kv_remote_timeout_seconds must be > 0 and finite"),
             (self.kernel_cache_shapes >= 1, "kernel_cache_shapes must be at least 1"),
             (
                 self.inference_precision in INFERENCE_PRECISIONS,

@@ -9,6 +9,9 @@ from service.errors import InvalidArgument
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+# OpenAI's limits on logit_bias
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
 # A request's speculative decoding: "auto" (when the cost model expects it to pay) or "off".
 SPECULATION_MODES = ("auto", "off")
 
@@ -33,6 +36,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0  # top-N logprobs per generated token; 0: none
     speculation: str | None = None  # one of SPECULATION_MODES; None: the server's --speculation
+    # (token id, bias) pairs added to the logits before sampling, ids in ascending order (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     eos_token_ids: tuple[int, ...] = field(default=(), compare=False)  # filled in by the engine
 
     @property
@@ -85,11 +90,30 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(0 <= t < vocab_size, "stop_token_ids", f"each id must be in [0, {vocab_size}), got {t}")
         _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self._validate_logit_bias(vocab_size)
         _check(
             self.speculation is None or self.speculation in SPECULATION_MODES,
             "speculation",
             f"must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}",
         )
+
+    def _validate_logit_bias(self, vocab_size: int) -> None:
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}",
+        )
+        seen: set[int] = set()
+        for token_id, bias in self.logit_bias:
+            where = f"logit_bias.{token_id}"
+            _check(0 <= token_id < vocab_size, where, f"the token id must be in [0, {vocab_size})")
+            _check(token_id not in seen, where, "the token id is given twice")
+            seen.add(token_id)
+            _check(
+                -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,  # NaN fails too
+                where,
+                f"the bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
+            )
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

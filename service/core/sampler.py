@@ -1,11 +1,12 @@
 """Turns logits rows into tokens: one row per sampled request, vectorized over the batch where it pays,
 or a verify step's rows for one request's draft tokens.
 
-Greedy rows take an argmax over the whole batch at once. Penalties and the min_new_tokens mask touch
-only the rows that ask for them. Random rows draw from each request's own generator, so a seeded
-request gives the same tokens whatever else shares its batch. A request with a response format brings a
-bitmask of the tokens its grammar allows (one per row): the others get -inf before anything else, in one
-vectorized pass over the rows that have one.
+Greedy rows take an argmax over the whole batch at once. Penalties, logit biases and the min_new_tokens
+mask touch only the rows that ask for them (a bias is added after the penalties, so that a repetition
+penalty does not scale it; added to a grammar's -inf it stays -inf: it never lets a forbidden token through).
+Random rows draw from each request's own generator, so a seeded request gives the same tokens whatever else
+shares its batch. A request with a response format brings a bitmask of the tokens its grammar allows (one
+per row): the others get -inf before anything else, in one vectorized pass over the rows that have one.
 
 Verification (speculative decoding) samples each position of a draft run exactly as a normal step would
 (penalties and masks as if the earlier drafts had been generated, one draw from the request's generator
@@ -68,7 +69,7 @@ def sample(logits: np.ndarray, requests: Sequence[Request], masks: Sequence[np.n
     errors: list[Exception | None] = [None] * len(requests)
     for row, request in enumerate(requests):
         try:
-            _apply_penalties(logits[row], request.params, request.output_token_ids, request.all_token_ids)
+            _adjust_logits(logits[row], request.params, request.output_token_ids, request.all_token_ids)
         except Exception as exc:
             errors[row] = exc
     for i, row in enumerate(constrained):
@@ -111,7 +112,7 @@ def verify(rows: np.ndarray, request: Request, drafts: Sequence[int], masks: np.
     logprobs: list[TokenLogprob | None] = []
     for i, row in enumerate(rows):
         earlier = list(drafts[:i])  # the tokens before this position are the kept drafts
-        _apply_penalties(row, p, [*request.output_token_ids, *earlier], [*request.all_token_ids, *earlier])
+        _adjust_logits(row, p, [*request.output_token_ids, *earlier], [*request.all_token_ids, *earlier])
         if bits is not None:
             _keep_one_allowed(row, bits[i])
         _check_top(row.max())
@@ -132,6 +133,7 @@ def _argmax_only(request: Request) -> bool:
         and p.repetition_penalty == 1.0
         and not p.presence_penalty
         and not p.frequency_penalty
+        and not p.logit_bias
         and request.num_output_tokens >= p.min_new_tokens
     )
 
@@ -143,7 +145,7 @@ def _keep_one_allowed(row: np.ndarray, allowed_row: np.ndarray) -> None:
         row[allowed_row] = 0.0
 
 
-def _apply_penalties(
+def _adjust_logits(
     row: np.ndarray, p: SamplingParams, output_token_ids: Sequence[int], all_token_ids: Sequence[int]
 ) -> None:
     if len(output_token_ids) < p.min_new_tokens:
@@ -160,6 +162,15 @@ def _apply_penalties(
     if (p.presence_penalty or p.frequency_penalty) and output_token_ids:
         ids, counts = np.unique(np.asarray(output_token_ids, dtype=np.int64), return_counts=True)
         row[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    if p.logit_bias:
+        _add_bias(row, p.logit_bias)
+
+
+def _add_bias(row: np.ndarray, logit_bias: Sequence[tuple[int, float]]) -> None:
+    """OpenAI's logit_bias: each value added to its token's logit (ids are unique and in the vocabulary:
+    SamplingParams.validate checked them). A logit a grammar or min_new_tokens set to -inf stays -inf."""
+    ids = np.fromiter((t for t, _ in logit_bias), dtype=np.int64, count=len(logit_bias))
+    row[ids] += np.fromiter((b for _, b in logit_bias), dtype=np.float32, count=len(logit_bias))
 
 
 def _sample_row(row: np.ndarray, request: Request) -> int:

@@ -1,18 +1,28 @@
 """Iteration-level continuous batching under one token budget per step.
 
 Every request has num_tokens (prompt + generated) and num_computed_tokens; each step shares the token
-budget out, running requests first, then waiting ones in arrival order. A prompt is computed in pieces
+budget out, running requests first, then waiting ones in the order the fair queue gives (fair across
+tenants, by priority within one: fair_queue.py). A prompt is computed in pieces
 as large as the budget leaves, side by side with other requests' decode tokens, and drafts never take
 the room of the pieces planned after them. A waiting request is admitted only while
 each running request keeps the blocks for the rest of its prompt and one more to grow into. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
-(mostly from the prefix cache).
+(mostly from the prefix cache). A waiting request whose tenant runs fewer requests than its share of
+max_num_seqs (by weight, among the tenants with work) takes the place of the newest running request of the
+tenant furthest over its share when there is no free place for it: one tenant's burst cannot hold every
+place while another's request waits.
 
-With a disk tier, a waiting request's prefix chain continues past its RAM hit into the disk: the
-blocks found there get pool blocks, and the request waits in the loading state (planned as a load, not
-computed) until loaded() reports how many were restored; then it runs from there like any other
-request. A request whose blocks another request is restoring waits for that load instead of loading
-them twice.
+With a disk tier, a waiting request's prefix chain continues past its RAM hit into the disk, and with a
+remote tier past the disk into the fleet's store (tried rather than known: the fetch finds out how far the
+chain goes there): the blocks to restore get pool blocks, and the request waits in the loading state (planned as
+a load, not computed) until loaded() reports how many were restored; then it runs from there like any other
+request. A request whose blocks another request is restoring waits for that load instead of loading them
+twice. A remote try that would hold the request back for lack of blocks is dropped: it starts as without it.
+
+The candidates of an n > 1 request are requests of their own with the same prompt. The later ones wait
+until the first (their leader) has computed the prompt's full blocks, then find them in the prefix cache
+like any prompt that starts like an earlier one: the prompt is computed once, and each candidate computes
+only its last, partial block (at least its last token, whose logits it samples).
 
 The scheduler owns a request's life on the engine thread: add() takes it in, update() records each
 step's outcome (computed tokens, sampled tokens, stop rules) and finish() takes it out wherever it is,
@@ -22,16 +32,16 @@ freeing its blocks. `requests` holds every request it has not finished.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.core.config import EngineConfig
-from service.core.kv_cache import KVCacheManager
+from service.core.fair_queue import FairQueue
+from service.core.kv_cache import KVCacheManager, PrefixHit
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
-from service.core.spec import DraftPolicy, PromptLookup, Proposer, StepLoad, StepTimes
+from service.core.spec import DraftPolicy, Guess, PromptLookup, Proposer, StepLoad, StepTimes
 from service.core.stop import stop_reason
 
 
@@ -39,7 +49,7 @@ from service.core.stop import stop_reason
 class ScheduledChunk:
     """num_tokens tokens of request from position start: its own tokens, then any draft tokens to verify.
     sample is True when the chunk reaches the request's last token, so its logits are wanted: one row,
-    or one per draft plus one."""
+    or one per draft plus one. The first `predicted` drafts are also its predicted output's guess (usage)."""
 
     request: Request
     start: int
@@ -47,6 +57,7 @@ class ScheduledChunk:
     block_ids: list[int]
     sample: bool
     drafts: tuple[int, ...] = ()
+    predicted: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -60,7 +71,8 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class Load:
-    """Restore the blocks with these digests from disk into block_ids, for request (in the loading state).
+    """Restore the blocks with these digests from the tiers below RAM into block_ids, for request (in the loading
+    state).
     first: this is the request's first admission, whose usage counts the restored tokens."""
 
     request: Request
@@ -70,8 +82,14 @@ class Load:
 
 
 class DiskLookup(Protocol):
+    """The tiers below RAM: local disk, and the fleet's remote store."""
+
     def count_chain(self, digests: Sequence[bytes]) -> int:
-        """How many of digests, from the first on, can be restored."""
+        """How many of digests, from the first on, can be restored from local disk."""
+        ...
+
+    def count_remote(self, digests: Sequence[bytes]) -> int:
+        """How many of digests, from the first on, to try fetching from the remote tier."""
         ...
 
     def touch(self, digests: Sequence[bytes]) -> None:
@@ -121,23 +139,25 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv = kv
         self.requests: dict[int, Request] = {}  # every request not finished, by id
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue(config.fair_admission)
         self.running: list[Request] = []
         self.disk = disk
         self.loading: dict[int, Load] = {}  # by request id; a finished request stays until its load ends
         self._restoring: set[bytes] = set()  # digests of the blocks being loaded
-        self.num_restored_tokens = 0
+        self.num_restored_tokens = 0  # prompt tokens restored from local disk
+        self.num_remote_tokens = 0  # prompt tokens fetched from the remote tier
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0  # chunks with drafts verified: tokens per verify step follows
+        self.num_shared_prompt_tokens = 0  # prompt tokens later candidates read from their leader's blocks
 
     def add(self, request: Request) -> None:
         if request.id in self.requests:
             raise ValueError(f"request id {request.id} is already in the scheduler")
         self.requests[request.id] = request
         request.draft_stats = self.policy.new_stats()
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -149,16 +169,18 @@ class Scheduler:
             return
         if request in self.running:
             self.running.remove(request)
-        if request in self.waiting:
+        if request.status is Status.WAITING:
             self.waiting.remove(request)
+        self.waiting.forget(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
         if request.id not in self.loading:  # blocks being restored into are freed when their load ends
             self.kv.free(request.id)
 
-    def loaded(self, request_id: int, num_loaded: int) -> None:
-        """The load of a loading request ended with its first num_loaded blocks restored: they join the
-        prefix cache and the request runs from there (the rest of its prompt is computed)."""
+    def loaded(self, request_id: int, num_loaded: int, num_remote: int = 0) -> None:
+        """The load of a loading request ended with its first num_loaded blocks restored, the last num_remote of
+        them from the remote tier: they join the prefix cache and the request runs from there (the rest of its
+        prompt is computed)."""
         load = self.loading.pop(request_id, None)
         if load is None:
             return
@@ -173,9 +195,11 @@ class Scheduler:
         if load.first:  # usage promised every block; take back what could not be restored
             missing = (len(load.digests) - num_loaded) * self.kv.block_size
             request.num_cached_tokens -= missing
-            request.num_restored_tokens -= missing
+            request.num_restored_tokens -= missing + num_remote * self.kv.block_size
+            request.num_remote_tokens = num_remote * self.kv.block_size
         request.num_computed_tokens += num_restored
-        self.num_restored_tokens += num_restored
+        self.num_restored_tokens += num_restored - num_remote * self.kv.block_size
+        self.num_remote_tokens += num_remote * self.kv.block_size
         self.kv.cache_full_blocks(request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt)
         self.kv.trim(request.id, request.num_computed_tokens)
         request.status = Status.RUNNING
@@ -201,7 +225,10 @@ class Scheduler:
                 self.num_accepted_tokens += accepted
                 self.num_verify_steps += 1
                 # a stop inside the run drops what follows it: only kept drafts that reached the output count
-                request.num_accepted_drafts += min(accepted, request.num_output_tokens - num_before)
+                kept = min(accepted, request.num_output_tokens - num_before)
+                request.num_accepted_drafts += kept
+                request.num_accepted_predicted += min(kept, chunk.predicted)
+                request.num_rejected_predicted += chunk.predicted - min(accepted, chunk.predicted)
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv.trim(request.id, request.num_tokens)
             else:
@@ -242,7 +269,7 @@ class Scheduler:
         pieces = {r.id: self._piece(r, r.num_computed_tokens, largest) for r in self.running if self._prefills(r)}
         pieces_after = sum(pieces.values())
         if self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
-            pieces_after += self._piece(self.waiting[0], 0, largest)
+            pieces_after += self._piece(next(iter(self.waiting)), 0, largest)
         for request in list(self.running):
             if budget == 0:
                 break
@@ -253,7 +280,8 @@ class Scheduler:
             if num_new == 0 or not self._allocate_or_preempt(request, num_new, plan):
                 continue
             room = budget - num_new - max(0, pieces_after)
-            drafts = chosen_drafts.get(request.id, ())[: max(0, room)] if num_new == 1 else ()
+            drafts, predicted = chosen_drafts.get(request.id, ((), 0))
+            drafts = drafts[: max(0, room)] if num_new == 1 else ()
             # drafts only take blocks that are spare: never preempt for them, and leave every other running or
             # loading request the blocks it needs for the rest of its prompt and one more token (as admission does)
             if drafts:
@@ -261,7 +289,8 @@ class Scheduler:
                 reserve = sum(self._blocks_to_grow(r) for r in self._growing() if r is not request)
                 if not self.kv.allocate(request.id, target, keep_free=reserve):
                     drafts = ()
-            plan.chunks.append(self._chunk(request, num_new, drafts))
+            plan.chunks.append(self._chunk(request, num_new, drafts, min(predicted, len(drafts))))
+            self.waiting.charge(request, num_new + len(drafts))
             budget -= num_new + len(drafts)
         if not plan.preempted:
             self._admit_waiting(budget, plan)
@@ -287,15 +316,18 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> int:
+        """Free a running request's blocks and queue it again; the tokens its chunk in this plan had."""
         self.running.remove(request)
         self.kv.free(request.id)
         request.status = Status.WAITING
         request.num_computed_tokens = 0
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add(request)
         plan.preempted.append(request)
+        num_tokens = sum(c.num_tokens for c in plan.chunks if c.request is request)
         plan.chunks = [c for c in plan.chunks if c.request is not request]
+        return num_tokens
 
     def _admit_waiting(self, budget: int, plan: StepPlan) -> None:
         # admit only if every running (or soon running) request can still finish its prompt and take one more
@@ -304,36 +336,89 @@ class Scheduler:
         if not self.waiting:
             return
         keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
-        for request in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(self.loading) >= self.max_num_seqs:
+        for request in self.waiting:
+            if budget <= 0:
                 break
+            if self._waits_for_leader(request):
+                continue
+            if self._full():
+                budget += self._make_place(request, plan) or 0
+                if self._full():
+                    break
+                keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
             prefix = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
-            on_disk = self._on_disk(request, prefix.num_tokens)
-            if on_disk is None:
+            below = self._below_ram(request, prefix.num_tokens)
+            if below is None:
                 continue  # another request is restoring its blocks: it waits for that load to end
-            num_new = 0 if on_disk else self._piece(request, prefix.num_tokens, budget)
-            num_tokens = prefix.num_tokens + len(on_disk) * self.kv.block_size + num_new
-            if not self.kv.allocate(request.id, num_tokens, prefix, keep_free):
-                break  # wait for blocks to be freed; first come, first served
-            self.waiting.remove(request)
+            while (admitted := self._allocate(request, prefix, below, budget, keep_free)) is None:
+                freed = self._make_place(request, plan)
+                if freed is None:
+                    return  # wait for blocks to be freed; the next in line first
+                budget += freed
+                keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
+            to_load, num_new = admitted
+            self.waiting.admitted(request)
             if self.disk is not None:  # the RAM hit's disk copies were used too: not the ones to drop first
                 self.disk.touch([b.digest for b in prefix.blocks if b.digest is not None])
             request.num_computed_tokens = prefix.num_tokens
             first = request.first_scheduled_time is None
             if first:
                 request.first_scheduled_time = time.monotonic()
-                request.num_restored_tokens = len(on_disk) * self.kv.block_size
+                request.num_restored_tokens = len(to_load) * self.kv.block_size
                 request.num_cached_tokens = prefix.num_tokens + request.num_restored_tokens
-            if on_disk:
+                if request.leader is not None:
+                    self.num_shared_prompt_tokens += prefix.num_tokens
+            if to_load:
                 block_ids = tuple(self.kv.block_ids(request.id)[len(prefix.blocks) :])
-                plan.loads.append(self._start_load(Load(request, on_disk, block_ids, first)))
+                plan.loads.append(self._start_load(Load(request, to_load, block_ids, first)))
                 keep_free += self._blocks_to_grow(request)
                 continue
             request.status = Status.RUNNING
             self.running.append(request)
             plan.chunks.append(self._chunk(request, num_new))
+            self.waiting.charge(request, num_new)
             budget -= num_new
             keep_free += self._blocks_to_grow(request)
+
+    def _waits_for_leader(self, request: Request) -> bool:
+        """Whether a later candidate of an n > 1 request waits for its leader (the first) to compute the prompt's
+        full blocks, which it then reads from the prefix cache. It never waits for a leader that has ended, nor
+        without a prefix cache, nor for a prompt without a full block before its last token."""
+        leader = request.leader
+        if leader is None or leader.status is Status.FINISHED or not self.kv.enable_prefix_caching:
+            return False
+        shared = (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+        return leader.num_computed_tokens < shared
+
+    def _full(self) -> bool:
+        return len(self.running) + len(self.loading) >= self.max_num_seqs
+
+    def _make_place(self, request: Request, plan: StepPlan) -> int | None:
+        """Preempt the newest running request of the tenant furthest over its share of max_num_seqs, when
+        request's tenant is under its own share (shares by weight among the tenants with work); the budget the
+        victim's chunk in this plan had. None when nothing is preempted (then the request waits its turn)."""
+        if not self.waiting.fair:
+            return None
+        counts: dict[str, int] = {request.tenant: 0}
+        weights: dict[str, float] = {request.tenant: request.tenant_weight}
+        for r in [*self.running, *(load.request for load in self.loading.values())]:
+            counts[r.tenant] = counts.get(r.tenant, 0) + 1
+            weights[r.tenant] = r.tenant_weight
+        for tenant, weight in self.waiting.tenants().items():
+            counts.setdefault(tenant, 0)
+            weights.setdefault(tenant, weight)
+        total = sum(weights.values())
+
+        def excess(tenant: str) -> float:  # places held beyond the tenant's share (negative: under it)
+            return counts[tenant] - self.max_num_seqs * weights[tenant] / total
+
+        if excess(request.tenant) > -1:  # one more would take it past its share
+            return None
+        over = max(counts, key=lambda t: (excess(t), t != request.tenant))
+        victims = [r for r in self.running if r.tenant == over]
+        if excess(over) <= 0 or not victims:
+            return None
+        return self._preempt(victims[-1], plan)
 
     def _growing(self) -> list[Request]:
         """The requests that hold blocks and will grow: the running ones and those whose blocks a load restores."""
@@ -345,16 +430,32 @@ class Scheduler:
         prompt computed in pieces must not be overtaken by requests admitted meanwhile."""
         return max(1, self.kv.blocks_needed(request.num_tokens + 1) - self.kv.num_blocks(request.id))
 
-    def _on_disk(self, request: Request, num_cached: int) -> tuple[bytes, ...] | None:
-        """Digests of the blocks past the RAM hit that can be restored from disk (never the block of the
-        last token, which must be computed for its logits); None while another load restores some."""
+    def _below_ram(self, request: Request, num_cached: int) -> tuple[tuple[bytes, ...], int] | None:
+        """Digests of the blocks past the RAM hit to restore from the tiers below RAM (never the block of the
+        last token, which must be computed for its logits), and how many of them, from the first on, local disk
+        holds (the rest are tried remotely); None while another load restores some."""
         if self.disk is None:
-            return ()
+            return (), 0
         digests = self.kv.full_block_digests(request.id, request.all_token_ids, request.cache_salt)
         wanted = digests[num_cached // self.kv.block_size : (request.num_tokens - 1) // self.kv.block_size]
         if any(d in self._restoring for d in wanted):
             return None
-        return tuple(wanted[: self.disk.count_chain(wanted)])
+        on_disk = self.disk.count_chain(wanted)
+        return tuple(wanted[: on_disk + self.disk.count_remote(wanted[on_disk:])]), on_disk
+
+    def _allocate(
+        self, request: Request, prefix: PrefixHit, below: tuple[tuple[bytes, ...], int], budget: int, keep_free: int
+    ) -> tuple[tuple[bytes, ...], int] | None:
+        """Blocks for a request's admission: its prefix hit, the blocks to restore (or, when the pool cannot spare
+        them, only those on local disk: a remote try must not hold a request back) and its first piece when it
+        restores nothing. The blocks to restore and the piece's size; None when even that does not fit."""
+        to_load, on_disk = below
+        for tried in dict.fromkeys((to_load, to_load[:on_disk])):
+            num_new = 0 if tried else self._piece(request, prefix.num_tokens, budget)
+            num_tokens = prefix.num_tokens + len(tried) * self.kv.block_size + num_new
+            if self.kv.allocate(request.id, num_tokens, prefix, keep_free):
+                return tried, num_new
+        return None
 
     def _start_load(self, load: Load) -> Load:
         load.request.status = Status.LOADING
@@ -362,7 +463,9 @@ class Scheduler:
         self._restoring.update(load.digests)
         return load
 
-    def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, num_new: int, drafts: tuple[int, ...] = (), predicted: int = 0
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
         return ScheduledChunk(
             request,
@@ -371,6 +474,7 @@ class Scheduler:
             self.kv.block_ids(request.id),
             sample=start + num_new == request.num_tokens,
             drafts=drafts,
+            predicted=predicted,
         )
 
     def _step_load(self, budget: int) -> StepLoad:
@@ -387,12 +491,15 @@ class Scheduler:
         return StepLoad(tokens, max(1, sequences), max(1, sampled))
 
     def _speculates(self, request: Request) -> bool:
-        return (request.params.speculation or self.speculation) == "auto"
+        """A request's own choice, else auto for a request with a predicted output, else the server's default."""
+        default = "auto" if request.prediction is not None else self.speculation
+        return (request.params.speculation or default) == "auto"
 
-    def _plan_drafts(self, budget: int) -> dict[int, tuple[int, ...]]:
+    def _plan_drafts(self, budget: int) -> dict[int, tuple[tuple[int, ...], int]]:
         """Drafts for each decoding request that speculates, by request id, as many as the policy chooses
-        within its token limits. The guess is made first, so that the number is chosen knowing it."""
-        candidates: list[tuple[Request, int, tuple[int, ...]]] = []
+        within its token limits, and how many of them, from the first, its predicted output guessed too (whichever
+        proposer's guess was taken). The guess is made first, so that the number is chosen knowing it."""
+        candidates: list[tuple[Request, int, tuple[Guess, Guess]]] = []
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1 or not self._speculates(request):
                 continue
@@ -404,14 +511,22 @@ class Scheduler:
             if limit > 0:
                 candidates.append((request, limit, self._guess(request)))
         chosen = self.policy.choose([(r.draft_stats, limit) for r, limit, _ in candidates], self._step_load(budget))
-        return {r.id: self._drafts(r, guess, k) for (r, _, guess), k in zip(candidates, chosen, strict=True)}
+        drafts: dict[int, tuple[tuple[int, ...], int]] = {}
+        for (request, _, (guess, predicted)), k in zip(candidates, chosen, strict=True):
+            these = self._drafts(request, guess.tokens, k)
+            drafts[request.id] = these, _common_start(these, predicted.tokens)
+        return drafts
 
-    def _guess(self, request: Request) -> tuple[int, ...]:
-        """The proposer's guess of a decoding request's next tokens. It is also watched (DraftStats): guesses
-        are judged while the request gets no drafts, so it gets them again as soon as its reply copies."""
-        guess = self.proposer.propose(request.all_token_ids, self.speculative_tokens)
+    def _guess(self, request: Request) -> tuple[Guess, Guess]:
+        """The guess of a decoding request's next tokens, prompt lookup's or its predicted output's, whichever its
+        kind says is worth more (DraftStats.best), and the predicted output's (empty without one). The guess is
+        also watched: guesses are judged while the request gets no drafts, so it gets them again as soon as its
+        reply copies."""
+        tokens, k = request.all_token_ids, self.speculative_tokens
+        predicted = request.prediction.propose(tokens, k) if request.prediction is not None else Guess()
+        guess = request.draft_stats.best([g for g in (predicted, self.proposer.propose(tokens, k)) if g.tokens])
         request.draft_stats.watch(request.num_tokens, guess)
-        return guess.tokens
+        return guess, predicted
 
     @staticmethod
     def _drafts(request: Request, guess: tuple[int, ...], k: int) -> tuple[int, ...]:
@@ -432,3 +547,11 @@ class Scheduler:
             if request.deadline is not None and now >= request.deadline:
                 self.finish(request)
                 plan.expired.append(request)
+
+
+def _common_start(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens a and b share from their first."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

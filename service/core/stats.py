@@ -40,6 +40,22 @@ class DiskTierStats:
 
 
 @dataclass(frozen=True)
+class RemoteTierStats:
+    up: bool = False  # the store answered the last operation
+    num_published: int = 0  # blocks
+    num_skipped: int = 0  # full blocks not published: publishing fell behind, or the store was down
+    num_fetched: int = 0  # blocks fetched and verified
+    num_missed: int = 0  # fetches whose chain ended at a block the store did not hold
+    num_corrupt: int = 0  # values refused (wrong length, checksum, identity, digest or type), never loaded
+    num_errors: int = 0  # operations that failed (unreachable, timed out, refused)
+    num_outages: int = 0
+    bytes_published: int = 0
+    bytes_fetched: int = 0
+    num_fetches: int = 0  # loads that asked the store
+    fetch_seconds_total: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """Published by the engine thread after every step; readers on other threads take it without locks.
     The *_seconds_total counters split the engine thread's time by stage (benchmarks read their deltas)."""
@@ -62,10 +78,14 @@ class EngineStats:
     last_step_seconds: float = 0.0
     tokens_per_step: float = 0.0
     num_cache_evictions: int = 0
-    num_loading: int = 0  # requests waiting for their prefix to be restored from disk
+    num_loading: int = 0  # requests waiting for their prefix to be restored from disk or the remote tier
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the RAM prefix cache, not computed
     num_restored_prompt_tokens: int = 0  # prompt tokens restored from the disk tier, not computed
+    # of the RAM cache's, those later candidates of n > 1 requests read from their first candidate's blocks
+    num_shared_prompt_tokens: int = 0
+    num_remote_prompt_tokens: int = 0  # prompt tokens fetched from the remote tier, not computed
     disk: DiskTierStats | None = None  # None without a disk tier
+    remote: RemoteTierStats | None = None  # None without a remote tier
     schedule_seconds_total: float = 0.0
     execute_seconds_total: float = 0.0
     sample_seconds_total: float = 0.0

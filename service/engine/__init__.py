@@ -5,6 +5,7 @@ from service.core.config import EngineConfig
 from service.core.stats import EngineStats, ModelInfo
 from service.engine.disk_store import FolderInUse
 from service.engine.front import Engine
+from service.engine.model_files import UnreadableModel
 from service.engine.protocol import EngineClient, GenerationRequest
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "FolderInUse",
     "GenerationRequest",
     "ModelInfo",
+    "UnreadableModel",
 ]

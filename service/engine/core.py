@@ -2,7 +2,7 @@
 
 Only the engine thread touches the scheduler, the KV cache and the runner. Other threads call
 submit(), abort() and stop(), which put a command on the queue, and stats(), which reads the last
-published snapshot. The disk tier's I/O thread reports finished restores through the same queue. A
+published snapshot. The tiers below RAM (disk, remote) report finished restores through the same queue. A
 failed step fails the requests in it and nothing else; if the thread itself ever dies, `on_death` is
 called so that the front can fail every caller and report unhealthy.
 """
@@ -33,8 +33,11 @@ from service.core.stats import EngineStats, ModelInfo
 from service.engine import warmup
 from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
+from service.engine.kv_tiers import KVTiers
 from service.engine.model_files import ModelFiles
 from service.engine.outputs import Abort, Command, EngineOutput, Publish, error_of, output_of
+from service.engine.remote_store import RemoteStore, read_password
+from service.engine.remote_tier import KVRemoteTier
 from service.engine.runner import ModelRunner, StepInput
 from service.engine.sampling import sample_step
 from service.engine.stats import StageClock, StatsBook
@@ -71,9 +74,13 @@ class EngineCore:
                 Path(config.kv_disk_dir), identity, int(config.kv_disk_gb * 2**30), config.kv_disk_ttl_seconds
             )
             self.disk_tier = KVDiskTier(store, self.runner.cache_arrays(), self._commands.put)
+        self.remote_tier = remote_tier(config, identity, self.runner.cache_arrays())
+        self.tiers: KVTiers | None = None
+        if self.disk_tier is not None or self.remote_tier is not None:
+            self.tiers = KVTiers(self.disk_tier, self.remote_tier, self._commands.put)
         # the draft policy's table of step times, measured at warm-up
         self.step_times = StepTimes()
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.disk_tier, step_times=self.step_times)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.tiers, step_times=self.step_times)
         self.info = ModelInfo(
             model_id=model.model_id,
             model_dir=str(model.path),
@@ -98,7 +105,7 @@ class EngineCore:
         )
         self._publish = publish
         self._on_death = on_death
-        self.book = StatsBook(self.scheduler, self.kv, self.disk_tier)
+        self.book = StatsBook(self.scheduler, self.kv, self.disk_tier, self.remote_tier)
         self._thread: threading.Thread | None = None
         self._stopping = False
         # seconds spent computing grammar masks, per step that had any: benchmarks read their distribution
@@ -114,8 +121,8 @@ class EngineCore:
         warmup.check_rows(self.runner, self.config)
         if self.config.speculative_tokens > 0 and self.config.speculation == "auto":
             warmup.measure_step_times(self.runner, self.config, self.step_times)
-        if self.disk_tier is not None:
-            self.disk_tier.start()
+        if self.tiers is not None:
+            self.tiers.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
@@ -128,8 +135,8 @@ class EngineCore:
             self._thread.join(timeout=30)
         self._grammar_thread.shutdown(wait=False)
         self.alive = False
-        if self.disk_tier is not None:  # blocks filled before the stop reach the disk: a restart finds them
-            self.disk_tier.close(timeout=30)
+        if self.tiers is not None:  # blocks filled before the stop reach the disk: a restart finds them
+            self.tiers.close(timeout=30)
 
     def submit(self, request: Request) -> None:
         """Hand a validated request to the engine thread; from now on only that thread touches it."""
@@ -192,7 +199,7 @@ class EngineCore:
                 return False
             return True
         if isinstance(command, LoadResult):
-            self.scheduler.loaded(command.request_id, command.num_loaded)
+            self.scheduler.loaded(command.request_id, command.num_loaded, command.num_remote)
             return False
         if isinstance(command, Abort):
             request = self.scheduler.requests.get(command.request_id)
@@ -221,9 +228,9 @@ class EngineCore:
             self._fail_step(candidates, exc)
             return True
         clock.lap("schedule")
-        if self.disk_tier is not None:
+        if self.tiers is not None:
             for load in plan.loads:
-                self.disk_tier.load(load.request.id, load.digests, load.block_ids)
+                self.tiers.load(load.request.id, load.digests, load.block_ids)
         outputs = [error_of(r, DeadlineExceeded("the request's deadline passed")) for r in plan.expired]
         if plan.chunks:
             try:
@@ -239,10 +246,10 @@ class EngineCore:
         return not plan.empty
 
     def _save_filled_blocks(self) -> None:
-        """Queue the blocks this step filled for the disk tier, before any later step can reuse them."""
+        """Queue the blocks this step filled for the tiers below RAM, before any later step can reuse them."""
         blocks = self.kv.take_newly_cached()
-        if self.disk_tier is not None and blocks:
-            self.disk_tier.save([(b.digest, b.block_id) for b in blocks if b.digest is not None])
+        if self.tiers is not None and blocks:
+            self.tiers.save([(b.digest, b.block_id) for b in blocks if b.digest is not None])
 
     def _run_plan(self, plan: StepPlan, clock: StageClock) -> list[EngineOutput]:
         sampled = [c for c in plan.chunks if c.sample]
@@ -266,20 +273,25 @@ class EngineCore:
             plan = replace(plan, chunks=[c for c in plan.chunks if c.request.id not in gone])
             keep = [i for i in range(len(sampled)) if i not in failed]
             sampled, runs, logprobs = [sampled[i] for i in keep], [runs[i] for i in keep], [logprobs[i] for i in keep]
-        before = [(c.request.num_output_tokens, c.request.num_accepted_drafts) for c in sampled]
+        before = [
+            (c.request.num_output_tokens, c.request.num_accepted_drafts, c.request.num_accepted_predicted)
+            for c in sampled
+        ]
         self.scheduler.update(plan, runs)
         clock.lap("update")
-        for chunk, (n, drafts_before), run_logprobs in zip(sampled, before, logprobs, strict=True):
+        for chunk, (n, drafts_before, predicted_before), run_logprobs in zip(sampled, before, logprobs, strict=True):
             matcher = chunk.request.matcher
             if matcher is not None and matcher.error:
                 outputs.append(self._grammar_failed(chunk.request, matcher.error))
                 continue
             new = chunk.request.output_token_ids[n:]  # a stop inside a run drops the tokens after it
             kept = [lp for lp in run_logprobs[: len(new)] if lp is not None]
-            # a verify step's run is its kept drafts, then the model's own token
+            # a verify step's run is its kept drafts (the predicted ones first), then the model's own token
             num_kept = chunk.request.num_accepted_drafts - drafts_before
+            num_predicted = chunk.request.num_accepted_predicted - predicted_before
             drafted = [True] * num_kept + [False] * (len(new) - num_kept)
-            outputs.append(output_of(chunk.request, new, kept, drafted))
+            predicted = [True] * num_predicted + [False] * (len(new) - num_predicted)
+            outputs.append(output_of(chunk.request, new, kept, drafted, predicted))
         return outputs
 
     def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
@@ -325,6 +337,34 @@ class EngineCore:
             self.scheduler.finish(request)
             outputs.append(error_of(request, error))
         self._publish(outputs)
+
+
+def remote_tier(config: EngineConfig, identity: bytes, cache: list[np.ndarray]) -> KVRemoteTier | None:
+    """The remote tier the config asks for; None without one, or (with a warning) when its password file cannot
+    be read: the server serves without it rather than not at all."""
+    if not config.kv_remote_url:
+        return None
+    password = None
+    if config.kv_remote_password_file:
+        try:
+            password = read_password(config.kv_remote_password_file)
+        except OSError as exc:
+            log.warning("kv remote tier off: cannot read --kv-remote-password-file: %s", exc)
+            return None
+    try:
+        store = RemoteStore(
+            config.kv_remote_url,
+            identity,
+            sum(a[0].nbytes for a in cache),
+            password=password,
+            ttl_seconds=config.kv_remote_ttl_seconds,
+            timeout=config.kv_remote_timeout_seconds,
+            ca_cert=config.kv_remote_ca_cert,
+        )
+    except ValueError as exc:  # the URL's text: its message never quotes a password (redis-py names the part)
+        log.warning("kv remote tier off: --kv-remote-url cannot be used: %s", exc)
+        return None
+    return KVRemoteTier(store, cache)
 
 
 def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:

@@ -256,7 +256,7 @@ class DiskStore:
             return
         self.evict(size)
         folder = self._fd()
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, self.identity, digest, len(payload), zlib.crc32(payload))
+        header = block_header(self.identity, digest, payload)
         handle, temp = _temporary(folder)
         try:
             with os.fdopen(handle, "wb") as f:
@@ -311,7 +311,7 @@ class DiskStore:
             if exc.errno not in TRANSIENT_ERRORS:
                 self._forget(digest)
             raise
-        payload = None if data is None else self._check(data, digest)
+        payload = None if data is None else checked_block(data, self.identity, digest)
         if payload is None:
             log.warning("kv disk tier: removing %s: truncated, corrupt or written by another engine", name)
             _remove(folder, name)
@@ -328,17 +328,6 @@ class DiskStore:
                 self._index.move_to_end(digest)
             self.counters.num_read += 1
             self.counters.bytes_read += HEADER.size + len(payload)
-        return payload
-
-    def _check(self, data: bytes, digest: bytes) -> memoryview | None:
-        if len(data) < HEADER.size:
-            return None
-        magic, version, identity, stored_digest, length, crc = HEADER.unpack_from(data)
-        payload = memoryview(data)[HEADER.size :]
-        if (magic, version, identity, stored_digest) != (MAGIC, FORMAT_VERSION, self.identity, digest):
-            return None
-        if len(payload) != length or zlib.crc32(payload) != crc:
-            return None
         return payload
 
     def _reject(self, digest: bytes, what: str) -> bool:
@@ -390,6 +379,25 @@ class DiskStore:
         if self._dir is None:
             raise OSError(errno.EBADF, "the disk store is not open", str(self.folder))
         return self._dir
+
+
+def block_header(identity: bytes, digest: bytes, payload: bytes | memoryview) -> bytes:
+    """The integrity header stored in front of a block's payload, on disk and in the remote tier alike."""
+    return HEADER.pack(MAGIC, FORMAT_VERSION, identity, digest, len(payload), zlib.crc32(payload))
+
+
+def checked_block(data: bytes, identity: bytes, digest: bytes) -> memoryview | None:
+    """The payload of a stored block (header and payload) if it is exactly what block_header described for this
+    digest and engine identity: magic, version, identity, digest, length and CRC-32 all match. None otherwise."""
+    if len(data) < HEADER.size:
+        return None
+    magic, version, stored_identity, stored_digest, length, crc = HEADER.unpack_from(data)
+    payload = memoryview(data)[HEADER.size :]
+    if (magic, version, stored_identity, stored_digest) != (MAGIC, FORMAT_VERSION, identity, digest):
+        return None
+    if len(payload) != length or zlib.crc32(payload) != crc:
+        return None
+    return payload
 
 
 class _NotABlockFile(Exception):

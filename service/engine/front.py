@@ -2,7 +2,9 @@
 (detokenized, stop strings applied), and aborts what callers abandon.
 
 Each request gets a server-generated id, the key of its stream here and of its state on the engine
-thread; the caller's request_id is only a label. Outputs come back from the engine thread once per step
+thread; the caller's request_id is only a label. A call for n candidates is n requests on one stream: the
+first computes the prompt, the others read its KV blocks (the scheduler's leader rule), and closing the
+stream aborts every one still running. Outputs come back from the engine thread once per step
 and are handed to each caller's event loop.
 """
 
@@ -14,6 +16,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +24,16 @@ from pathlib import Path
 from service.core.config import EngineConfig
 from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
 from service.core.outputs import RequestOutput
-from service.core.request import Request, check_cache_salt, check_label, check_prompt
+from service.core.reasoning import ReasoningSplitter, after_reasoning, starts_inside
+from service.core.request import (
+    Request,
+    check_cache_salt,
+    check_label,
+    check_prediction,
+    check_priority,
+    check_prompt,
+)
+from service.core.spec import Prediction
 from service.core.stats import EngineStats, ModelInfo
 from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.core import EngineCore, EngineOutput
@@ -32,6 +44,8 @@ from service.engine.tokenizer import Tokenizer
 from service.errors import DeadlineExceeded, InvalidArgument, QueueFull, Unavailable
 
 log = logging.getLogger(__name__)
+
+SEEDS = 1 << 64  # the contract's uint64 seeds: candidate i's seed + i wraps around
 
 
 @dataclass
@@ -59,6 +73,7 @@ class Engine:
             (self.model.path / "tokenizer.json").read_text(), self.info.vocab_size, self.info.eos_token_ids
         )
         self._streams: dict[int, _Stream] = {}  # by request id; written on callers' loops, read by the engine
+        self._in_flight: Counter[str] = Counter()  # requests with a stream, by tenant
         self._ids = itertools.count(1)
         self._death_listeners: list[Callable[[], None]] = []
         self.died = False
@@ -91,59 +106,92 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------------
     async def generate(self, asked: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        """Stream the outputs of one request (see GenerationRequest); the last has finish_reason, usage and
-        timings. Closing the stream early aborts the request. A response_format's grammar is compiled off the
-        caller's event loop (a large schema takes milliseconds). With active tools the reply's calls come back
-        parsed, as increments in each output's tool_calls."""
+        """Stream the outputs of one request (see GenerationRequest); each candidate's last has finish_reason,
+        usage and timings, and the stream ends after the last candidate's. Closing the stream early aborts every
+        candidate still running. A response_format's grammar is compiled off the caller's event loop (a large
+        schema takes milliseconds). With active tools the reply's calls come back parsed, as increments in each
+        output's tool_calls. A reply that may reason (asked.reasoning) has its reasoning block returned apart, in
+        each output's reasoning, and a format applies after the block."""
+        self._check_n(asked.n)
         response_format, call_ids = asked.response_format, None
         if asked.tools is not None and asked.tools.active:
             if response_format is not None:
                 raise InvalidArgument("response_format", "cannot be combined with tools")
             call_ids = self.tool_call_ids()
             response_format = asked.tools.response_format(*call_ids)
-        tool_schemas = asked.tools.schemas() if call_ids is not None and asked.tools is not None else []
-        matcher = None
-        if response_format is not None:
-            matcher = await asyncio.to_thread(self._matcher, response_format, tool_schemas)
-        request = self._make_request(asked, matcher)
+        checks = asked.tools.schemas() if call_ids is not None and asked.tools is not None else []
+        think_ids = self.tokenizer.think_ids if asked.reasoning else None
+        inside = think_ids is not None and starts_inside(asked.prompt_token_ids, *think_ids)
+        if think_ids is not None and response_format is not None:
+            # the format alone first, so that its errors are its own; then with the reasoning before it
+            checks = [response_format] if call_ids is None else checks
+            response_format = after_reasoning(response_format, *think_ids, inside)
+        matchers: list[Matcher | None] = [None] * asked.n
+        if response_format is not None:  # one each: a matcher follows its own reply (the grammar is compiled once)
+            fmt = response_format
+            matchers = await asyncio.to_thread(lambda: [self._matcher(fmt, checks) for _ in range(asked.n)])
+        requests = self._make_requests(asked, matchers)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request.id] = stream
-        reply = ReplyAssembler(
-            request.label,
-            request.num_prompt_tokens,
-            request.arrival_time,
-            asked.params,
-            self.tokenizer.decode,
-            call_ids,
-        )
-        ended = False  # the engine is done with the request: finished, failed or told to stop
+        replies = {}
+        for index, request in enumerate(requests):
+            self._streams[request.id] = stream
+            self._in_flight[request.tenant] += 1
+            replies[request.id] = ReplyAssembler(
+                request.label,
+                request.num_prompt_tokens,
+                request.arrival_time,
+                asked.params,
+                self.tokenizer.decode,
+                call_ids,
+                index,
+                ReasoningSplitter(self.tokenizer.decode, *think_ids, inside) if think_ids is not None else None,
+            )
+        running = set(replies)  # the candidates the engine is not done with (finished, failed or told to stop)
         try:
             if not self.core.alive:  # checked after registering: a death from now on reaches this stream
                 raise Unavailable("the engine has stopped")
-            self.core.submit(request)
-            while not ended:
-                out = coalesce(await stream.outputs.get(), stream.outputs)
-                if out.error is not None:
-                    ended = True
-                    raise out.error
-                output = reply.add(out)
-                if reply.stopped_by_text:
-                    self.core.abort(request.id)  # the engine would go on past the stop string
-                ended = reply.finished
-                yield output
+            for request in requests:  # in order: the first is the leader, admitted first
+                self.core.submit(request)
+            while running:
+                for out in coalesce(await stream.outputs.get(), stream.outputs):
+                    if out.request_id not in running:  # what an abort of a candidate stopped by text sends
+                        continue
+                    if out.error is not None:
+                        running.discard(out.request_id)
+                        raise out.error
+                    reply = replies[out.request_id]
+                    output = reply.add(out)
+                    if reply.stopped_by_text:
+                        self.core.abort(out.request_id)  # the engine would go on past the stop string
+                    if reply.finished:
+                        running.discard(out.request_id)
+                    yield output
         finally:
-            del self._streams[request.id]
-            if not ended:
-                self.core.abort(request.id)
+            for request in requests:
+                del self._streams[request.id]
+                self._in_flight[request.tenant] -= 1
+                if not self._in_flight[request.tenant]:
+                    del self._in_flight[request.tenant]
+            for request_id in running:
+                self.core.abort(request_id)
 
-    def _matcher(self, fmt: ResponseFormat, tool_schemas: list[ResponseFormat]) -> Matcher:
-        """The format's matcher. Where a reply with tools does not compile, each tool's schema is compiled alone,
-        so that the error names the tool whose parameters are at fault rather than the whole grammar."""
+    def _check_n(self, n: int) -> None:
+        if not 1 <= n <= self.config.max_n:
+            raise InvalidArgument("n", f"must be in [1, {self.config.max_n}] (the server's --max-n), got {n}")
+        held = self.config.max_num_seqs + self.config.max_queue
+        if n > held:  # never served, however long the client retried: not a full queue
+            limits = "--max-num-seqs + --max-queue"
+            raise InvalidArgument("n", f"must be at most {held} here: the server holds no more requests ({limits})")
+
+    def _matcher(self, fmt: ResponseFormat, parts: list[ResponseFormat]) -> Matcher:
+        """The format's matcher. Where a grammar built from parts (each tool's schema, a format after reasoning)
+        does not compile, each part is compiled alone, so that the error names the part at fault (the tool whose
+        parameters are wrong) and says what is wrong with it rather than with the whole grammar."""
         try:
             return self.grammars.matcher(fmt)
         except InvalidArgument:
-            for schema in tool_schemas:
-                self.grammars.compile(schema)
+            for part in parts:
+                self.grammars.compile(part)
             raise
 
     def tool_call_ids(self) -> tuple[int, int]:
@@ -153,36 +201,61 @@ class Engine:
         assert ids[0] is not None and ids[1] is not None  # check_tools refuses a model without them
         return ids[0], ids[1]
 
-    def _make_request(self, asked: GenerationRequest, matcher: Matcher | None) -> Request:
-        """Validate everything a caller sent; the request is the engine thread's once submitted."""
+    def _make_requests(self, asked: GenerationRequest, matchers: list[Matcher | None]) -> list[Request]:
+        """Validate everything a caller sent; the requests (one per candidate, with its matcher) are the engine
+        thread's once submitted. Candidate i draws with seed + i; the later ones follow the first (leader)."""
         prompt, params, label, timeout = asked.prompt_token_ids, asked.params, asked.request_id, asked.timeout
         prompt_field, cache_salt = asked.prompt_field, asked.cache_salt
         if label is not None:
             check_label(label)
         check_cache_salt(cache_salt)
+        check_priority(asked.priority)
         if not self._accepting:
             raise Unavailable("the engine is not serving (loading, stopped or draining)")
         check_prompt(prompt, prompt_field, self.info.max_model_len, self.info.vocab_size)
+        check_prediction(asked.prediction, self.info.max_model_len, self.info.vocab_size)
         params.validate(self.info.max_new_tokens_limit, self.info.vocab_size)
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("the deadline passed before the request was queued")
         limit = self.config.max_num_seqs + self.config.max_queue
-        if len(self._streams) >= limit:
+        if len(self._streams) + len(matchers) > limit:
             raise QueueFull(
-                f"{len(self._streams)} requests in flight; the limit is "
+                f"{len(self._streams)} requests in flight and {len(matchers)} asked for; the limit is "
                 f"{self.config.max_num_seqs} running + {self.config.max_queue} queued"
             )
+        self._check_tenant_queue(asked.tenant.name, len(matchers))
         params = replace(params, eos_token_ids=self.info.eos_token_ids)
         deadline = time.monotonic() + timeout if timeout is not None else None
-        return Request(
-            next(self._ids),
-            list(prompt),
-            params,
-            label or uuid.uuid4().hex,
-            cache_salt=cache_salt,
-            deadline=deadline,
-            matcher=matcher,
-        )
+        label = label or uuid.uuid4().hex
+        requests: list[Request] = []
+        for i, matcher in enumerate(matchers):
+            seed = None if params.seed is None else (params.seed + i) % SEEDS
+            request = Request(
+                next(self._ids),
+                list(prompt),
+                replace(params, seed=seed),
+                label,
+                cache_salt=asked.tenant.cache_salt(cache_salt),
+                tenant=asked.tenant.name,
+                tenant_weight=asked.tenant.weight,
+                priority=asked.priority,
+                deadline=deadline,
+                matcher=matcher,
+                leader=requests[0] if requests else None,
+                prediction=Prediction(asked.prediction, len(prompt)) if asked.prediction else None,
+            )
+            requests.append(request)
+        return requests
+
+    def _check_tenant_queue(self, tenant: str, asked: int) -> None:
+        """QueueFull when the tenant's requests in flight and the `asked` ones (n candidates) would pass what
+        --max-queued-per-tenant allows: one tenant cannot fill the queue that every tenant shares."""
+        queued = self.config.max_queued_per_tenant
+        if queued is not None and self._in_flight[tenant] + asked > self.config.max_num_seqs + queued:
+            raise QueueFull(
+                f"tenant {tenant} has {self._in_flight[tenant]} requests in flight and {asked} asked for; the limit "
+                f"per tenant is {self.config.max_num_seqs} running + {queued} queued (max_queued_per_tenant)"
+            )
 
     # -- engine thread ---------------------------------------------------------------------------------
     def _publish(self, outputs: list[EngineOutput]) -> None:
@@ -217,17 +290,23 @@ def _deliver(items: list[tuple[_Stream, EngineOutput]]) -> None:
         stream.outputs.put_nowait(out)
 
 
-def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> EngineOutput:
-    """Fold the outputs already waiting behind this one into it: a consumer that fell behind (a slow client,
-    a busy event loop) catches up with one output, and so one stream message, instead of one per step."""
-    while not out.final and not pending.empty():
+def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> list[EngineOutput]:
+    """This output and those already waiting behind it, folded into one per request (in the order of their first
+    output): a consumer that fell behind (a slow client, a busy event loop) catches up with one output per
+    candidate, and so one stream message each, instead of one per step. An error replaces what came before it;
+    what comes after a request's last output is dropped."""
+    folded: dict[int, EngineOutput] = {out.request_id: out}
+    while not pending.empty():
         later = pending.get_nowait()
-        if later.error is not None:
-            return later
-        out = replace(
-            later,
-            token_ids=out.token_ids + later.token_ids,
-            logprobs=out.logprobs + later.logprobs,
-            drafted=out.drafted + later.drafted,
-        )
-    return out
+        earlier = folded.get(later.request_id)
+        if earlier is None or later.error is not None:
+            folded[later.request_id] = later if earlier is None or not earlier.final else earlier
+        elif not earlier.final:
+            folded[later.request_id] = replace(
+                later,
+                token_ids=earlier.token_ids + later.token_ids,
+                logprobs=earlier.logprobs + later.logprobs,
+                drafted=earlier.drafted + later.drafted,
+                predicted=earlier.predicted + later.predicted,
+            )
+    return list(folded.values())

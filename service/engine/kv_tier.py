@@ -52,11 +52,13 @@ DEFAULT_DISK_TIMEOUT_SECONDS = 10.0
 
 @dataclass(frozen=True)
 class LoadResult:
-    """num_loaded blocks, from the first on, now hold their restored content."""
+    """num_loaded blocks, from the first on, now hold their restored content; the last num_remote of them came
+    from the remote tier (the others from local disk)."""
 
     request_id: int
     num_loaded: int
     seconds: float
+    num_remote: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,16 +66,29 @@ class _Load:
     request_id: int
     digests: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    report: Callable[[LoadResult], None] | None = None  # instead of the tier's on_loaded
 
 
 @dataclass(frozen=True)
-class _Write:
+class BlockCopies:
+    """Blocks copied out of the KV cache, to be written or published while the pool reuses the originals."""
+
     digests: tuple[bytes, ...]
     copies: tuple[np.ndarray, ...]  # per cache tensor: the blocks' content, [num_blocks, ...]
+
+    @classmethod
+    def of(cls, cache: Sequence[np.ndarray], blocks: Sequence[tuple[bytes, int]]) -> BlockCopies:
+        """Copies of blocks (digest, block id) of the cache tensors."""
+        ids = np.array([b for _, b in blocks], dtype=np.int64)
+        return cls(tuple(d for d, _ in blocks), tuple(a[ids] for a in cache))
 
     @property
     def num_bytes(self) -> int:
         return sum(c.nbytes for c in self.copies)
+
+    def payload(self, i: int) -> bytes:
+        """The i-th block's bytes of every cache tensor, in the cache's order."""
+        return b"".join(copy[i].tobytes() for copy in self.copies)
 
 
 @dataclass
@@ -106,7 +121,7 @@ class KVDiskTier:
         self._files: _FileThread | None = None  # started with the tier: an operation that never returns blocks it
         self._stuck: Future[object] | None = None  # the operation the disk has not answered
         self._loads: deque[_Load] = deque()
-        self._writes: deque[_Write] = deque()
+        self._writes: deque[BlockCopies] = deque()
         self._pending_bytes = 0
         self._wake = threading.Condition()
         self._closing = False
@@ -156,27 +171,34 @@ class KVDiskTier:
     def save(self, blocks: Sequence[tuple[bytes, int]]) -> None:
         """Queue newly filled blocks (digest, block id), in chain order, for writing; their content is copied
         now. What does not fit under max_pending_bytes is skipped, from the end: a chain's head is what
-        makes the rest of it reachable."""
+        makes the rest of it reachable. Called on the engine thread, and on the remote tier's fetcher thread for
+        blocks it fetched (whose request is loading: no step touches them)."""
         if not self.writable:
             return
         new = [(d, b) for d, b in blocks if d not in self.store]
-        room = max(0, (self.max_pending_bytes - self._pending_bytes) // self.block_bytes)
-        self.counters.num_skipped += max(0, len(new) - room)
+        with self._wake:
+            room = max(0, (self.max_pending_bytes - self._pending_bytes) // self.block_bytes)
+            self.counters.num_skipped += max(0, len(new) - room)
         new = new[:room]
         if not new:
             return
-        ids = np.array([b for _, b in new], dtype=np.int64)
-        write = _Write(tuple(d for d, _ in new), tuple(a[ids] for a in self.cache))
+        write = BlockCopies.of(self.cache, new)
         with self._wake:
             self._writes.append(write)
             self._pending_bytes += write.num_bytes
             self._wake.notify()
 
-    def load(self, request_id: int, digests: Sequence[bytes], block_ids: Sequence[int]) -> None:
+    def load(
+        self,
+        request_id: int,
+        digests: Sequence[bytes],
+        block_ids: Sequence[int],
+        report: Callable[[LoadResult], None] | None = None,
+    ) -> None:
         """Restore digests into block_ids, in order, stopping at the first block that cannot be read;
-        on_loaded is called (on the I/O thread) with how many were."""
+        report (by default on_loaded) is called (on the I/O thread) with how many were."""
         with self._wake:
-            self._loads.append(_Load(request_id, tuple(digests), tuple(block_ids)))
+            self._loads.append(_Load(request_id, tuple(digests), tuple(block_ids), report))
             self._wake.notify()
 
     # -- I/O thread ----------------------------------------------------------------------------------------
@@ -187,7 +209,7 @@ class KVDiskTier:
         sweep_every = self.store.ttl_seconds / 10 if self.store.ttl_seconds else None
         next_sweep = time.monotonic() + (sweep_every or 0.0)
         while True:
-            job: _Load | _Write | None = None
+            job: _Load | BlockCopies | None = None
             with self._wake:
                 if not (self._loads or self._writes or self._closing):
                     self._wake.wait(max(next_sweep - time.monotonic(), 0.0) if sweep_every else None)
@@ -208,7 +230,7 @@ class KVDiskTier:
                 except Exception:  # a load must always be reported, or its blocks would never be freed
                     log.exception("kv disk tier: restoring a prefix failed; it will be computed")
                     result = LoadResult(job.request_id, 0, 0.0)
-                self.on_loaded(result)
+                (job.report or self.on_loaded)(result)
             else:
                 try:
                     self._write(job)
@@ -263,11 +285,7 @@ class KVDiskTier:
                 payload = None
             if payload is None or len(payload) != self.block_bytes:
                 break
-            offset = 0
-            for array in self.cache:
-                block = array[block_id]
-                block[...] = np.frombuffer(payload, array.dtype, block.size, offset).reshape(block.shape)
-                offset += block.nbytes
+            put_block(self.cache, block_id, payload)
             num_loaded += 1
         self.store.touch(load.digests[:num_loaded])
         seconds = time.perf_counter() - start
@@ -276,11 +294,11 @@ class KVDiskTier:
         self.counters.restore_seconds_total += seconds
         return LoadResult(load.request_id, num_loaded, seconds)
 
-    def _write(self, write: _Write) -> None:
+    def _write(self, write: BlockCopies) -> None:
         if not self.writable:
             return
         for i, digest in enumerate(write.digests):
-            payload = b"".join(copy[i].tobytes() for copy in write.copies)
+            payload = write.payload(i)
             try:
                 self._on_disk(self.store.write, digest, payload)
             except TimeoutError:
@@ -294,6 +312,15 @@ class KVDiskTier:
                 self.writable = False
                 return
         self.store.touch(write.digests)
+
+
+def put_block(cache: Sequence[np.ndarray], block_id: int, payload: bytes | memoryview) -> None:
+    """Copy a payload (as BlockCopies.payload lays it out) into a pool block of every cache tensor."""
+    offset = 0
+    for array in cache:
+        block = array[block_id]
+        block[...] = np.frombuffer(payload, array.dtype, block.size, offset).reshape(block.shape)
+        offset += block.nbytes
 
 
 class _FileThread:

@@ -27,6 +27,14 @@ PAGED_ATTENTION_INPUTS = (
 KV_CACHE_PREFIXES = ("key_cache.", "value_cache.")
 
 IR_FILE = "openvino_model.xml"
+# What the engine cannot start without (config, generation config and manifest are optional).
+REQUIRED_FILES = (IR_FILE, "openvino_model.bin", "tokenizer.json")
+CONVERT_AGAIN = "convert the model again with `python -m convert SOURCE DIR --force`"
+
+
+class UnreadableModel(ValueError):
+    """A file of the model folder is there but cannot be read (damaged, cut short, or of another format): a
+    mistake in what the server was given, said in one line, not a bug."""
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -47,8 +55,17 @@ class ModelFiles:
     @classmethod
     def read(cls, path: str | Path) -> ModelFiles:
         path = Path(path)
+        if not path.is_dir():
+            if path.exists():
+                raise FileNotFoundError(f"{path} is a file, not a model folder (the folder `python -m convert` writes)")
+            raise FileNotFoundError(
+                f"{path} does not exist; convert a model into it with `python -m convert SOURCE {path}`"
+            )
         if not (path / IR_FILE).exists():
             raise FileNotFoundError(f"{path} holds no {IR_FILE}; convert a model with `python -m convert`")
+        missing = [name for name in REQUIRED_FILES if not (path / name).exists()]
+        if missing:
+            raise FileNotFoundError(f"{path} holds no {' and no '.join(missing)}: an incomplete model; {CONVERT_AGAIN}")
         return cls(
             path,
             read_json(path / "config.json"),

@@ -20,15 +20,20 @@ class EngineOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, or none (none asked for)
     drafted: list[bool] = field(default_factory=list)  # one per token: whether it was a draft the model kept
+    predicted: list[bool] = field(default_factory=list)  # one per token: whether it was a kept predicted draft
     finish_reason: FinishReason | None = None
     error: ServiceError | None = None
     num_cached_tokens: int = 0
     num_restored_tokens: int = 0
+    num_remote_tokens: int = 0
+    num_rejected_predicted: int = 0  # so far: the predicted drafts the model did not keep
     queue_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.drafted:  # none said: none was a draft
             self.drafted = [False] * len(self.token_ids)
+        if not self.predicted:
+            self.predicted = [False] * len(self.token_ids)
 
     @property
     def final(self) -> bool:
@@ -45,7 +50,11 @@ Publish = Callable[[list[EngineOutput]], None]
 
 
 def output_of(
-    request: Request, token_ids: list[int], logprobs: list[TokenLogprob], drafted: list[bool] | None = None
+    request: Request,
+    token_ids: list[int],
+    logprobs: list[TokenLogprob],
+    drafted: list[bool] | None = None,
+    predicted: list[bool] | None = None,
 ) -> EngineOutput:
     """A request's new tokens, with its finish reason (if it finished) and what its first scheduling said."""
     scheduled = request.first_scheduled_time
@@ -54,9 +63,12 @@ def output_of(
         token_ids,
         logprobs,
         drafted or [],
+        predicted or [],
         finish_reason=request.finish_reason,
         num_cached_tokens=request.num_cached_tokens,
         num_restored_tokens=request.num_restored_tokens,
+        num_remote_tokens=request.num_remote_tokens,
+        num_rejected_predicted=request.num_rejected_predicted,
         queue_seconds=(scheduled - request.arrival_time) if scheduled is not None else 0.0,
     )
 

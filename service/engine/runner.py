@@ -25,7 +25,7 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from service.core.config import EngineConfig
-from service.engine.model_files import KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS
+from service.engine.model_files import CONVERT_AGAIN, KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS, UnreadableModel
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,23 @@ def available_cpus() -> int:
     return cpus
 
 
+def _read_ir(core: ov.Core, ir: Path) -> ov.Model:
+    """The IR, or UnreadableModel: OpenVINO's own reason is a page of frontend names (after other frontends'
+    parse errors on stderr), not what is wrong with the file. An IR's graph file is one <net> element: a file
+    that does not end with its closing tag is cut short or of another format, told before OpenVINO tries it."""
+    unreadable = UnreadableModel(
+        f"{ir} is not an OpenVINO model OpenVINO can read (damaged, cut short, or another format); {CONVERT_AGAIN}"
+    )
+    with ir.open("rb") as graph:
+        graph.seek(max(0, ir.stat().st_size - 64))
+        if not graph.read().rstrip().endswith(b"</net>"):
+            raise unreadable
+    try:
+        return core.read_model(ir)
+    except RuntimeError:
+        raise unreadable from None
+
+
 class ModelRunner:
     def __init__(self, ir: Path, config: EngineConfig) -> None:
         self.num_threads = config.threads or available_cpus()
@@ -84,7 +101,7 @@ class ModelRunner:
         # process); a value the operator set wins
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(config.kernel_cache_shapes))
         core = ov.Core()
-        model = core.read_model(ir)
+        model = _read_ir(core, ir)
         paged_attention_transformation(model, False, False)
         _gather_before_lm_head(model)
         _check_inputs(model)

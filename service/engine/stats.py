@@ -7,8 +7,9 @@ import time
 
 from service.core.kv_cache import KVCacheManager
 from service.core.scheduler import Scheduler, StepPlan
-from service.core.stats import DiskTierStats, EngineStats
+from service.core.stats import DiskTierStats, EngineStats, RemoteTierStats
 from service.engine.kv_tier import KVDiskTier
+from service.engine.remote_tier import KVRemoteTier
 
 
 class StageClock:
@@ -31,8 +32,14 @@ class StageClock:
 class StatsBook:
     """Counts what only the engine thread sees (failed steps, changes of shape) and publishes snapshots."""
 
-    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, disk_tier: KVDiskTier | None) -> None:
-        self.scheduler, self.kv, self.disk_tier = scheduler, kv, disk_tier
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        disk_tier: KVDiskTier | None,
+        remote_tier: KVRemoteTier | None = None,
+    ) -> None:
+        self.scheduler, self.kv, self.disk_tier, self.remote_tier = scheduler, kv, disk_tier, remote_tier
         self.num_failed_steps = 0
         self.num_shape_changes = 0
         blocks = kv.pool.num_blocks
@@ -66,7 +73,10 @@ class StatsBook:
             num_loading=len(scheduler.loading),
             num_cached_prompt_tokens=kv.num_hit_tokens,
             num_restored_prompt_tokens=scheduler.num_restored_tokens,
+            num_shared_prompt_tokens=scheduler.num_shared_prompt_tokens,
+            num_remote_prompt_tokens=scheduler.num_remote_tokens,
             disk=self._disk_stats(),
+            remote=self._remote_stats(),
             schedule_seconds_total=s.schedule_seconds_total + seconds.get("schedule", 0.0),
             execute_seconds_total=s.execute_seconds_total + seconds.get("execute", 0.0),
             sample_seconds_total=s.sample_seconds_total + seconds.get("sample", 0.0),
@@ -94,4 +104,24 @@ class StatsBook:
             bytes_read=store.bytes_read,
             num_restores=t.num_restores,
             restore_seconds_total=t.restore_seconds_total,
+        )
+
+    def _remote_stats(self) -> RemoteTierStats | None:
+        tier = self.remote_tier
+        if tier is None:
+            return None
+        store, t = tier.store.counters, tier.counters
+        return RemoteTierStats(
+            up=tier.up,
+            num_published=store.num_published,
+            num_skipped=t.num_skipped,
+            num_fetched=store.num_fetched,
+            num_missed=store.num_missed,
+            num_corrupt=store.num_corrupt,
+            num_errors=store.num_errors,
+            num_outages=store.num_outages,
+            bytes_published=store.bytes_published,
+            bytes_fetched=store.bytes_fetched,
+            num_fetches=t.num_fetches,
+            fetch_seconds_total=t.fetch_seconds_total,
         )

@@ -12,17 +12,27 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from service.core import reasoning
 from service.core.tools import CLOSE_TAG, OPEN_TAG
-from service.engine.model_files import read_json
+from service.engine.model_files import CONVERT_AGAIN, UnreadableModel, read_json
 from service.errors import InvalidArgument
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
+def _read_tokenizer(path: Path) -> HFTokenizer:
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises plain Exception for every kind of bad file
+        raise UnreadableModel(
+            f"{path} is not a tokenizer the tokenizers library reads ({exc}); {CONVERT_AGAIN}"
+        ) from None
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path, chat_template: Path | None = None) -> None:
         """chat_template: a Jinja file that replaces the model's own template."""
-        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._tok = _read_tokenizer(model_dir / "tokenizer.json")
         # The same vocabulary, but special-token strings in the input are plain text: for message contents.
         self._plain = HFTokenizer.from_str(self._tok.to_str())
         self._plain.encode_special_tokens = True
@@ -57,6 +67,16 @@ class Tokenizer:
         """Whether the chat template shows tools to the model (it reads the `tools` variable)."""
         return self._template_source is not None and "tools" in self._template_source
 
+    @property
+    def think_ids(self) -> tuple[int, int] | None:
+        """The tokens that open and close a reasoning block, when the chat template reasons in Qwen3's format
+        (it writes `<think>`: hybrid-thinking and thinking models); None otherwise (such as Qwen3-2507 Instruct,
+        whose replies never reason)."""
+        ids = self.token_to_id(reasoning.OPEN_TAG), self.token_to_id(reasoning.CLOSE_TAG)
+        if ids[0] is None or ids[1] is None or self._template_source is None:
+            return None
+        return (ids[0], ids[1]) if reasoning.OPEN_TAG in self._template_source else None
+
     def check_tools(self) -> None:
         """Tool calls need Qwen3's format: a chat template that shows the tools to the model and the tokens
         that open and close a call. Otherwise InvalidArgument naming `tools`, saying what would serve them."""
@@ -82,10 +102,14 @@ class Tokenizer:
         )
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
     ) -> str:
         """Render chat messages (and the tools the reply may call, in OpenAI's shape) into the prompt text,
-        ending with the assistant's turn opener."""
+        ending with the assistant's turn opener. enable_thinking goes to the template when set (Qwen3's
+        templates: false closes an empty reasoning block in the prompt); templates without it ignore it."""
         if not messages:
             raise InvalidArgument("messages", "must contain at least one message")
         for i, m in enumerate(messages):
@@ -97,12 +121,20 @@ class Tokenizer:
             raise InvalidArgument("messages", "this model has no chat template; send a raw prompt instead")
         if tools:
             self.check_tools()
+        options = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         return self._template.render(
-            messages=list(messages), tools=list(tools) if tools else None, add_generation_prompt=True, **self._special
+            messages=list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=True,
+            **self._special,
+            **options,
         )
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation. Special tokens come from the template only: a message
         whose content spells one (say `<|im_end|>`) gets it as plain text, so no message can end its turn
@@ -114,15 +146,16 @@ class Tokenizer:
         self._refuse_special(json.dumps(tools or [], ensure_ascii=False), "tools")
         for i, m in enumerate(messages):
             self._refuse_special(json.dumps(m.get("tool_calls") or [], ensure_ascii=False), f"messages[{i}].tool_calls")
+            self._refuse_special(m.get("reasoning_content") or "", f"messages[{i}].reasoning")
         spelled = [i for i, m in enumerate(messages) if any(s in m["content"] for s in self._special_texts)]
         if not spelled:
-            return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=add_bos)
+            return self.encode(self.apply_chat_template(messages, tools, enable_thinking), add_special_tokens=add_bos)
         # Render with a unique stand-in for each such content, so that its place in the text is known exactly
         # (searching for the content itself could find the template's own text), then encode the template's
         # parts with special tokens and the contents as plain text.
         marks = {i: f"ovserve-content-{uuid.uuid4().hex}" for i in spelled}
         text = self.apply_chat_template(
-            [{**m, "content": marks.get(i, m["content"])} for i, m in enumerate(messages)], tools
+            [{**m, "content": marks.get(i, m["content"])} for i, m in enumerate(messages)], tools, enable_thinking
         )
         ids: list[int] = []
         cursor = 0

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -28,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from service.config import ServerConfig, hosts, origins
 from service.core import json_input
 from service.core.outputs import RequestOutput
-from service.core.request import SESSION_KEY, session_key
+from service.core.request import SESSION_KEY, Tenant, session_key
 from service.core.stats import ModelInfo
 from service.engine import EngineClient, GenerationRequest
 from service.engine.tokenizer import Tokenizer
@@ -36,10 +37,12 @@ from service.errors import InvalidArgument
 from service.http import openai_in, openai_out, sse
 from service.http.errors import CrossOrigin, NotFound, TooLarge, Unauthenticated, error_body, status_of
 from service.http.host_check import HostCheck, is_loopback
-from service.metrics import Metrics, TokenClock
-from service.serving.auth import bearer_matches
+from service.http.responses_in import parse_responses
+from service.http.responses_out import ResponseReply
+from service.metrics import Metrics, TokenClocks
+from service.serving.auth import Auth
 from service.serving.call import Call
-from service.serving.prompt import encode
+from service.serving.prompt import encode, encode_prediction, reasons
 from service.serving.state import Serving
 
 log = logging.getLogger("service.http")
@@ -126,10 +129,18 @@ def refuse_other_origins(request: Request, allowed: set[str]) -> None:
         raise CrossOrigin(f"a page of another origin ({shown}) cannot call this API from a browser")
 
 
-def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
-    """The request's input as token ids, and the field it came from (for errors)."""
+def prompt_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str, list[int]]:
+    """The request's input as token ids, the field it came from (for errors), and its predicted output's ids."""
+    ids, field = _input_ids(tokenizer, parsed)
+    return ids, field, encode_prediction(tokenizer, parsed.prediction)
+
+
+def _input_ids(tokenizer: Tokenizer, parsed: openai_in.ApiRequest) -> tuple[list[int], str]:
     if parsed.messages is not None:
-        return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools), "messages"
+        thinking = parsed.enable_thinking
+        return encode(tokenizer, "messages", messages=parsed.messages, tools=parsed.tools, enable_thinking=thinking), (
+            "messages"
+        )
     if isinstance(parsed.prompt, str):
         return encode(tokenizer, "prompt", text=parsed.prompt), "prompt"
     return encode(tokenizer, "prompt", token_ids=parsed.prompt), "prompt"
@@ -170,13 +181,14 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def collect(stream: AsyncIterator[RequestOutput], clock: TokenClock, everything: bool) -> list[RequestOutput]:
-    """The first output, or all of them; `async for` does not close the stream when it stops early."""
+async def collect(stream: AsyncIterator[RequestOutput], clock: TokenClocks, everything: bool) -> list[RequestOutput]:
+    """The first output, or all of them (every choice's, to the end of the stream); `async for` does not close
+    the stream when it stops early."""
     outputs = []
     async for out in stream:
         clock.tick(out)
         outputs.append(out)
-        if out.finished or not everything:
+        if not everything:
             break
     return outputs
 
@@ -202,21 +214,47 @@ class EventStream(StreamingResponse):
 Parse = Callable[[Mapping[str, Any], ModelInfo], openai_in.ApiRequest]
 
 
+class Reply(Protocol):
+    """The objects of one call's reply: whole, or as stream events (openai_out.Reply, responses_out)."""
+
+    closing: tuple[bytes, ...]  # sent after the last event
+
+    @property
+    def done(self) -> bool: ...  # every choice has finished
+
+    @property
+    def summary(self) -> RequestOutput | None: ...  # the final output, usage combined (log line, metrics)
+
+    def response(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]: ...
+
+    def first_chunks(self) -> list[dict[str, Any]]: ...
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]: ...
+
+    def encode(self, chunk: dict[str, Any]) -> bytes: ...
+
+    def error_event(self, exc: Exception) -> dict[str, Any]: ...
+
+
+MakeReply = Callable[[Any, str, str, Callable[[int], str]], Reply]
+
+
 class Api:
     def __init__(
-        self, serving: Serving, metrics: Metrics, token: str | None, max_body_bytes: int, allowed_origins: str = ""
+        self, serving: Serving, metrics: Metrics, auth: Auth, max_body_bytes: int, allowed_origins: str = ""
     ) -> None:
         self.serving, self.metrics, self.max_body_bytes = serving, metrics, max_body_bytes
         self.allowed_origins = origins(allowed_origins)
-        self.token = token.encode() if token else None
+        self.auth = auth
         self.created = int(time.time())
 
-    def authorize(self, request: Request) -> None:
-        if self.token is None:
-            return
+    def authorize(self, request: Request) -> Tenant:
+        """The tenant whose key the request carries (the default tenant when the server has no keys)."""
         given = request.headers.get("authorization", "").encode("latin-1")  # the header's own bytes
-        if not bearer_matches(given, self.token):
-            raise Unauthenticated("missing or wrong bearer token (Authorization: Bearer <token>)")
+        tenant = self.auth.tenant_of(given)
+        if tenant is None:
+            raise Unauthenticated("missing or wrong bearer token (Authorization: Bearer <key>)")
+        return tenant
 
     # -- generation --------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -225,15 +263,20 @@ class Api:
     async def completions(self, request: Request) -> Response:
         return await self.generate(request, "completions", openai_in.parse_completion)
 
-    async def generate(self, request: Request, endpoint: str, parse: Parse) -> Response:
+    async def responses(self, request: Request) -> Response:
+        return await self.generate(request, "responses", parse_responses, ResponseReply)
+
+    async def generate(
+        self, request: Request, endpoint: str, parse: Parse, make_reply: MakeReply = openai_out.Reply
+    ) -> Response:
         call = Call(self.serving, self.metrics, "http", endpoint, generation=True)
         try:
             engine, parsed, asked = await self.prepare(request, call, parse)
         except Exception as exc:
             return refuse(call, exc)
         stream = engine.generate(asked)
-        reply = openai_out.Reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
-        clock = TokenClock(self.metrics, call.started)
+        reply = make_reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
+        clock = TokenClocks(self.metrics, call.started, call.tenant_name)
         try:
             outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))
         except BaseException as exc:
@@ -246,48 +289,58 @@ class Api:
             events = self.events(call, reply, outputs[0], stream, clock)
             return EventStream(events, self.stream_done(call, stream), id_header(call))
         await stream.aclose()
-        call.output = outputs[-1]
+        body = reply.response(outputs)
+        call.output = reply.summary
         call.finish(200)
-        return JSONResponse(reply.response(outputs), headers=id_header(call))
+        return JSONResponse(body, headers=id_header(call))
 
     async def prepare(
         self, request: Request, call: Call, parse: Parse
     ) -> tuple[EngineClient, openai_in.ApiRequest, GenerationRequest]:
         """Everything checked before the engine sees the request; the token before the body is read."""
         refuse_other_origins(request, self.allowed_origins)
-        self.authorize(request)
+        call.tenant = tenant = self.authorize(request)
         call.label(request.headers.get(REQUEST_ID_HEADER), REQUEST_ID_HEADER)
         call.session_id = session_key(request.headers.getlist(SESSION_KEY))
         body = await read_json(request, self.max_body_bytes)
         engine = self.serving.require_engine()
         parsed = parse(body, engine.info)
         check_model(parsed.model, engine.info)
-        ids, field = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)  # a long prompt takes seconds
-        return engine, parsed, parsed.generation_request(ids, field, call.request_id, engine.info.max_model_len)
+        try:
+            # a long prompt takes seconds
+            ids, field, predicted = await asyncio.to_thread(prompt_ids, engine.tokenizer, parsed)
+            reasoning = reasons(engine.tokenizer, parsed.messages is not None, parsed.enable_thinking)
+            asked = parsed.generation_request(
+                ids, field, call.request_id, engine.info.max_model_len, reasoning, predicted
+            )
+        except InvalidArgument as exc:  # named as this request calls the field (a Responses input item)
+            raise parsed.renamed(exc) from None
+        return engine, parsed, replace(asked, tenant=tenant)
 
     async def events(
         self,
         call: Call,
-        reply: openai_out.Reply,
+        reply: Reply,
         out: RequestOutput,
         stream: AsyncIterator[RequestOutput],
-        clock: TokenClock,
+        clock: TokenClocks,
     ) -> AsyncGenerator[bytes, None]:
         for chunk in reply.first_chunks():
-            yield sse.event(chunk)
+            yield reply.encode(chunk)
         try:
             while True:
                 for chunk in reply.chunks(out):
-                    yield sse.event(chunk)
-                if out.finished:
-                    call.output = out
+                    yield reply.encode(chunk)
+                if reply.done:
+                    call.output = reply.summary
                     break
                 out = await anext(stream)
                 clock.tick(out)
         except Exception as exc:  # the status line is sent: the error goes in the stream, as OpenAI's do
             call.error = exc
-            yield sse.event(error_body(exc))
-        yield sse.DONE
+            yield reply.encode(reply.error_event(exc))
+        for end in reply.closing:
+            yield end
 
     def stream_done(self, call: Call, stream: AsyncGenerator[RequestOutput, None]) -> Callable[[], Awaitable[None]]:
         async def finish() -> None:  # exactly once, however the stream ends
@@ -303,7 +356,7 @@ class Api:
     async def models(self, request: Request) -> Response:
         call = Call(self.serving, self.metrics, "http", "models")
         try:
-            self.authorize(request)
+            call.tenant = self.authorize(request)
             info = self.serving.require_engine().info
             if "model" in request.path_params:
                 check_model(request.path_params["model"], info)
@@ -341,14 +394,13 @@ class Api:
         return JSONResponse(body, status, headers)
 
 
-def build_app(
-    serving: Serving, metrics: Metrics, token: str | None, config: ServerConfig, bound_address: str
-) -> Starlette:
+def build_app(serving: Serving, metrics: Metrics, auth: Auth, config: ServerConfig, bound_address: str) -> Starlette:
     """bound_address: the address the HTTP socket listens on (a name in --host may resolve to loopback)."""
-    api = Api(serving, metrics, token, config.max_message_bytes, config.allowed_origins)
+    api = Api(serving, metrics, auth, config.max_message_bytes, config.allowed_origins)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.models, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),

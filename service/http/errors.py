@@ -10,13 +10,10 @@ from service.errors import (
     InvalidArgument,
     QueueFull,
     ServiceError,
+    Unauthenticated,
     Unavailable,
     status_lookup,
 )
-
-
-class Unauthenticated(ServiceError):
-    """Missing or wrong bearer token."""
 
 
 class NotFound(ServiceError):

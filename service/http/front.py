@@ -15,6 +15,7 @@ from service.config import ServerConfig
 from service.http.app import build_app
 from service.http.connections import Limits, with_limits
 from service.metrics import Metrics
+from service.serving.auth import Auth
 from service.serving.state import Serving
 
 SHUTDOWN_SECONDS = 1  # after the drain's grace: what is still streaming is cancelled after this
@@ -37,12 +38,12 @@ class HttpFront:
     """The OpenAI-compatible API and the playground on --http-port, over the process's serving state and
     metrics, with its bearer token, TLS certificate and body limit. Bound at construction."""
 
-    def __init__(self, config: ServerConfig, serving: Serving, metrics: Metrics, token: str | None) -> None:
+    def __init__(self, config: ServerConfig, serving: Serving, metrics: Metrics, auth: Auth) -> None:
         self.socket = bind(config.host, config.http_port)
         self.port: int = self.socket.getsockname()[1]
         self.scheme = "https" if config.tls_cert else "http"
         self.url = f"{self.scheme}://{config.host}:{self.port}/"
-        app = build_app(serving, metrics, token, config, self.socket.getsockname()[0])
+        app = build_app(serving, metrics, auth, config, self.socket.getsockname()[0])
         limits = Limits(config.http_head_timeout_seconds, config.http_body_timeout_seconds, config.http_max_connections)
         self.server = _Uvicorn(
             uvicorn.Config(

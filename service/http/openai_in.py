@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from service.core.grammar import ResponseFormat
-from service.core.params import SamplingParams
+from service.core.params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from service.core.stats import ModelInfo
 from service.core.tools import Mode, Tool, ToolChoice, Tools, template_call
 from service.engine import GenerationRequest
@@ -40,8 +40,6 @@ UNSUPPORTED = {
     "function_call": "the legacy function_call is not supported; use tool_choice",
     "audio": "audio output is not supported",
     "modalities": "only ['text'] is supported",
-    "logit_bias": "logit_bias is not supported",
-    "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported",
@@ -61,16 +59,22 @@ EXTENSIONS = (
 )
 # Our own extensions.
 OWN_EXTENSIONS = ("speculation",)
+# vLLM's `priority` (lower is admitted first, among the tenant's own requests): taken as vLLM takes it.
+SCHEDULING = ("priority",)
 COMMON = (
-    *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n"),
-    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", *EXTENSIONS, *OWN_EXTENSIONS),
+    *("model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "prediction"),
+    *("presence_penalty", "frequency_penalty", "logprobs", "best_of", "logit_bias", *EXTENSIONS, *OWN_EXTENSIONS),
+    *SCHEDULING,
 )
 CHAT_FIELDS = frozenset(
     (*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice")
-    + ("parallel_tool_calls",)
+    + ("parallel_tool_calls", "chat_template_kwargs")
 )
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt"))
-MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id"))
+MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "reasoning"))
+# vLLM's chat_template_kwargs, variables for the chat template: only those whose meaning this server knows
+# (any other would let a request reach into a template's internals, such as its tools or messages)
+TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool}
 # include_obfuscation pads streamed chunks against a side channel of OpenAI's own network; accepted, no effect
 STREAM_OPTIONS = frozenset(("include_usage", "include_obfuscation"))
 RESPONSE_FORMAT_FIELDS = frozenset(("type", "json_schema"))
@@ -78,10 +82,14 @@ JSON_SCHEMA_FIELDS = frozenset(("name", "description", "schema", "strict"))
 TOOL_FIELDS = frozenset(("type", "function"))
 FUNCTION_FIELDS = frozenset(("name", "description", "parameters", "strict"))
 TOOL_CHOICE_FIELDS = frozenset(("type", "function"))
+PREDICTION_FIELDS = frozenset(("type", "content"))
+TEXT_PART_FIELDS = frozenset(("type", "text"))
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # vLLM's structured_outputs (its successor of guided_json / guided_regex / guided_choice): one of these keys
 STRUCTURED_OUTPUTS = ("json", "regex", "choice")
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # logit_bias's keys: token ids in decimal (ASCII digits only)
+MAX_SHOWN_KEY_CHARS = 32  # of a logit_bias key quoted in an error
 
 
 @dataclass(frozen=True)
@@ -101,13 +109,24 @@ class ApiRequest:
     response_format: ResponseFormat | None = None
     tools: Tools | None = None
     max_tokens_given: bool = False  # the client set max_tokens (or max_completion_tokens)
+    enable_thinking: bool | None = None  # chat_template_kwargs.enable_thinking; None: the template's default
+    n: int = 1  # candidates (choices); its range is the engine's check
+    priority: int = 0
+    prediction: str | None = None  # the predicted output's text
 
     def generation_request(
-        self, ids: list[int], field: str, label: str | None, max_model_len: int
+        self,
+        ids: list[int],
+        field: str,
+        label: str | None,
+        max_model_len: int,
+        reasoning: bool = False,
+        predicted: list[int] | None = None,
     ) -> GenerationRequest:
-        """What the engine is asked, with the input encoded (serving.prompt) and the request's id. A prompt and
+        """What the engine is asked, with the input (and the predicted output) encoded (serving.prompt) and the
+        request's id. A prompt and
         max_tokens that together exceed the context are refused, as OpenAI and vLLM refuse them; without
-        max_tokens the reply may fill the context."""
+        max_tokens the reply may fill the context. reasoning: the reply may reason (serving.prompt.reasons)."""
         wanted = self.params.max_new_tokens
         if self.max_tokens_given and len(ids) + wanted > max_model_len:
             raise InvalidArgument(
@@ -123,6 +142,10 @@ class ApiRequest:
             cache_salt=self.cache_salt,
             response_format=self.response_format,
             tools=self.tools,
+            reasoning=reasoning,
+            n=self.n,
+            priority=self.priority,
+            prediction=predicted or (),
         )
 
     def renamed(self, exc: InvalidArgument) -> InvalidArgument:
@@ -157,7 +180,24 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo) -> ApiRequest:
         top_logprobs=(top or 0) if logprobs else None,
         names=names,
     )
-    return replace(call, tools=tools(fields))
+    return replace(call, tools=tools(fields), enable_thinking=template_kwargs(fields).get("enable_thinking"))
+
+
+def template_kwargs(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs: an object of the known variables, each of its type."""
+    raw = fields.get("chat_template_kwargs")
+    if raw is None:
+        return {}
+    given = {k: v for k, v in object_at(raw, "chat_template_kwargs").items() if v is not None}
+    for name in given:
+        if name not in TEMPLATE_KWARGS:
+            known = ", ".join(TEMPLATE_KWARGS)
+            raise InvalidArgument(f"chat_template_kwargs.{name[:64]}", f"unknown variable; supported: {known}")
+    for name, kind in TEMPLATE_KWARGS.items():
+        value = given.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise InvalidArgument(f"chat_template_kwargs.{name}", f"must be {_KINDS[kind]}, got {kind_of(value)}")
+    return given
 
 
 def parse_completion(body: Mapping[str, Any], info: ModelInfo) -> ApiRequest:
@@ -186,10 +226,9 @@ def _present(body: Mapping[str, Any], known: frozenset[str], where: str = "") ->
             raise InvalidArgument(param, "unknown field")
         if not where and name in IGNORED:
             _ignored(name, value)
-    for name in ("n", "best_of"):
-        count = _int(fields, name)
-        if count not in (None, 1):
-            raise InvalidArgument(name, f"only 1 choice per request is supported, got {count}")
+    best_of = _int(fields, "best_of")
+    if best_of not in (None, 1):
+        raise InvalidArgument("best_of", f"only 1 is supported (use n for several choices), got {best_of}")
     return fields
 
 
@@ -197,7 +236,7 @@ def _ignored(name: str, value: Any) -> None:
     """A field accepted without effect still has OpenAI's type (a client that sends another has a bug)."""
     kind = IGNORED[name]
     if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
-        raise InvalidArgument(name, f"must be {_KINDS[kind]}, got {_kind(value)}")
+        raise InvalidArgument(name, f"must be {_KINDS[kind]}, got {kind_of(value)}")
     if name == "metadata" and isinstance(value, dict):
         if len(value) > METADATA_PAIRS:
             raise InvalidArgument(name, f"at most {METADATA_PAIRS} key-value pairs, got {len(value)}")
@@ -228,7 +267,7 @@ def _call(
         raise InvalidArgument("stream_options", "only allowed with stream: true")
     include_usage = False
     if options is not None:
-        known = _present(_object(options, "stream_options"), STREAM_OPTIONS, "stream_options")
+        known = _present(object_at(options, "stream_options"), STREAM_OPTIONS, "stream_options")
         include_usage = bool(_bool(known, "include_usage", "stream_options"))
         _bool(known, "include_obfuscation", "stream_options")
     top_k = _int(fields, "top_k")
@@ -249,7 +288,7 @@ def _call(
         # The engine reports the chosen token's logprob only beside at least one alternative (a negative count
         # goes on to be refused by name)
         "logprobs": None if top_logprobs is None else top_logprobs if top_logprobs < 0 else max(top_logprobs, 1),
-        "speculation": _str(fields, "speculation"),  # "auto" or "off": SamplingParams.validate checks it
+        "speculation": string_at(fields, "speculation"),  # "auto" or "off": SamplingParams.validate checks it
     }
     # Unset sampling fields take the model's recommended settings, then OpenAI's defaults (temperature 1),
     # as vLLM and OVMS do: a client of the OpenAI API expects sampling unless it asks for temperature 0.
@@ -260,35 +299,68 @@ def _call(
         **{k: v for k, v in sampling.items() if v is not None},
         stop=_stop(fields.get("stop")),
         stop_token_ids=tuple(_ints(fields.get("stop_token_ids"), "stop_token_ids")),
+        logit_bias=logit_bias(fields.get("logit_bias")),
     )
-    salt = _str(fields, "cache_salt") or ""
+    salt = string_at(fields, "cache_salt") or ""
     structure = response_format(fields)
+    n = _int(fields, "n")
     return ApiRequest(
         chat,
         params,
-        _str(fields, "model"),
+        string_at(fields, "model"),
         messages,
         prompt,
         stream,
         include_usage,
         top_logprobs,
         salt,
-        names | {"min_new_tokens": "min_tokens"},
+        names | {"min_new_tokens": "min_tokens", "prediction": "prediction.content"},
         structure,
         max_tokens_given=max_tokens is not None,
+        n=1 if n is None else n,
+        priority=_int(fields, "priority") or 0,
+        prediction=prediction(fields),
     )
+
+
+def prediction(fields: Mapping[str, Any]) -> str | None:
+    """OpenAI's predicted output, {"type": "content", "content": text or an array of text parts}, as one text (the
+    parts concatenated: together they are the reply expected)."""
+    raw = fields.get("prediction")
+    if raw is None:
+        return None
+    given = _present(object_at(raw, "prediction"), PREDICTION_FIELDS, "prediction")
+    if given.get("type") != "content":
+        raise InvalidArgument("prediction.type", f"must be 'content', got {_shown(given.get('type'))}")
+    content = given.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        shown = "an empty array" if content == [] else kind_of(content)
+        raise InvalidArgument("prediction.content", f"must be a string or a non-empty array of text parts, got {shown}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"prediction.content[{j}]"
+        part = _present(object_at(part, where), TEXT_PART_FIELDS, where)
+        if part.get("type") != "text":
+            raise InvalidArgument(f"{where}.type", f"must be 'text', got {_shown(part.get('type'))}")
+        text = string_at(part, "text", where)
+        if text is None:
+            raise InvalidArgument(f"{where}.text", "is required (a string)")
+        texts.append(text)
+    return "".join(texts)
 
 
 def messages(raw: Any) -> list[dict[str, Any]]:
     """Chat messages as the chat template takes them: text contents, and the fields of tool use."""
     if not isinstance(raw, list) or not raw:
-        shown = "an empty array" if raw == [] else _kind(raw)
+        shown = "an empty array" if raw == [] else kind_of(raw)
         raise InvalidArgument("messages", f"must be a non-empty array of messages, got {shown}")
     out = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
-        m = _present(_object(m, where), MESSAGE_FIELDS, where)
-        role = _str(m, "role", where)
+        m = _present(object_at(m, where), MESSAGE_FIELDS, where)
+        role = string_at(m, "role", where)
         if role is None:
             raise InvalidArgument(f"{where}.role", "is required")
         # only an assistant turn that made tool calls may go without content, as OpenAI has it
@@ -296,8 +368,12 @@ def messages(raw: Any) -> list[dict[str, Any]]:
         content = _content(m.get("content"), where, may_be_empty)
         message: dict[str, Any] = {"role": CHAT_ROLES.get(role, role), "content": content}
         for name in ("tool_call_id", "name"):
-            if _str(m, name, where) is not None:
+            if string_at(m, name, where) is not None:
                 message[name] = m[name]
+        if string_at(m, "reasoning", where) is not None:
+            if role != "assistant":
+                raise InvalidArgument(f"{where}.reasoning", "only assistant messages carry reasoning")
+            message["reasoning_content"] = m["reasoning"]  # Qwen3's templates call it so
         if "tool_calls" in m:
             message["tool_calls"] = _message_calls(m["tool_calls"], f"{where}.tool_calls")
         out.append(message)
@@ -307,15 +383,18 @@ def messages(raw: Any) -> list[dict[str, Any]]:
 def _message_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     """An assistant turn's earlier tool calls, sent back with the conversation."""
     if not isinstance(raw, list):
-        raise InvalidArgument(where, f"must be an array of tool calls, got {_kind(raw)}")
+        raise InvalidArgument(where, f"must be an array of tool calls, got {kind_of(raw)}")
     calls = []
     for j, c in enumerate(raw):
         at = f"{where}[{j}]"
-        function = _object(_object(c, at).get("function"), f"{at}.function")
-        name = _str(function, "name", f"{at}.function") or ""
+        function = object_at(object_at(c, at).get("function"), f"{at}.function")
+        name = string_at(function, "name", f"{at}.function") or ""
         calls.append(
             template_call(
-                _str(c, "id", at) or "", name, _str(function, "arguments", f"{at}.function") or "", f"{at}.function"
+                string_at(c, "id", at) or "",
+                name,
+                string_at(function, "arguments", f"{at}.function") or "",
+                f"{at}.function",
             )
         )
     return calls
@@ -327,10 +406,10 @@ def response_format(fields: Mapping[str, Any]) -> ResponseFormat | None:
     if given is not None and extension is not None:
         raise InvalidArgument("structured_outputs", "set response_format or structured_outputs, not both")
     if extension is not None:
-        return _structured_outputs(_object(extension, "structured_outputs"))
+        return _structured_outputs(object_at(extension, "structured_outputs"))
     if given is None:
         return None
-    _present(_object(given, "response_format"), RESPONSE_FORMAT_FIELDS, "response_format")
+    _present(object_at(given, "response_format"), RESPONSE_FORMAT_FIELDS, "response_format")
     kind = given.get("type")
     if kind is None:
         raise InvalidArgument("response_format.type", f"is required: one of {', '.join(RESPONSE_FORMATS)}")
@@ -341,12 +420,12 @@ def response_format(fields: Mapping[str, Any]) -> ResponseFormat | None:
     if kind == "json_object":
         return ResponseFormat.json_object("response_format")
     spec = _present(
-        _object(given.get("json_schema"), "response_format.json_schema"),
+        object_at(given.get("json_schema"), "response_format.json_schema"),
         JSON_SCHEMA_FIELDS,
         "response_format.json_schema",
     )
-    _str(spec, "name", "response_format.json_schema")
-    _str(spec, "description", "response_format.json_schema")
+    string_at(spec, "name", "response_format.json_schema")
+    string_at(spec, "description", "response_format.json_schema")
     _bool(spec, "strict", "response_format.json_schema")  # accepted: the schema is always enforced
     where = "response_format.json_schema.schema"
     return ResponseFormat.json_schema(_schema_text(spec.get("schema"), where), where)
@@ -367,7 +446,7 @@ def _structured_outputs(options: dict[str, Any]) -> ResponseFormat:
         return ResponseFormat.json_schema(value if isinstance(value, str) else _schema_text(value, where), where)
     if key == "regex":
         if not isinstance(value, str):
-            raise InvalidArgument(where, f"must be a string, got {_kind(value)}")
+            raise InvalidArgument(where, f"must be a string, got {kind_of(value)}")
         return ResponseFormat.regex(value, where)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise InvalidArgument(where, "must be an array of strings")
@@ -376,7 +455,7 @@ def _structured_outputs(options: dict[str, Any]) -> ResponseFormat:
 
 def _schema_text(schema: Any, where: str) -> str:
     if not isinstance(schema, dict | bool):
-        raise InvalidArgument(where, f"must be a JSON schema (an object), got {_kind(schema)}")
+        raise InvalidArgument(where, f"must be a JSON schema (an object), got {kind_of(schema)}")
     return json.dumps(schema)
 
 
@@ -390,21 +469,21 @@ def tools(fields: Mapping[str, Any]) -> Tools | None:
     if raw is None and choice is None:
         return None
     if raw is not None and (not isinstance(raw, list) or not raw):
-        shown = "an empty array" if raw == [] else _kind(raw)
+        shown = "an empty array" if raw == [] else kind_of(raw)
         raise InvalidArgument("tools", f"must be a non-empty array of tools, got {shown}")
     defined = []
     for i, t in enumerate(raw or ()):
         where = f"tools[{i}]"
-        _present(_object(t, where), TOOL_FIELDS, where)
+        _present(object_at(t, where), TOOL_FIELDS, where)
         if t.get("type") != "function":
             raise InvalidArgument(f"{where}.type", "only 'function' tools are supported")
-        function = _present(_object(t.get("function"), f"{where}.function"), FUNCTION_FIELDS, f"{where}.function")
+        function = _present(object_at(t.get("function"), f"{where}.function"), FUNCTION_FIELDS, f"{where}.function")
         _bool(function, "strict", f"{where}.function")  # accepted: arguments always follow the parameters
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise InvalidArgument(f"{where}.function.parameters", "must be a JSON schema (an object)")
-        name = _str(function, "name", f"{where}.function") or ""
-        defined.append(Tool(name, _str(function, "description", f"{where}.function") or "", parameters))
+        name = string_at(function, "name", f"{where}.function") or ""
+        defined.append(Tool(name, string_at(function, "description", f"{where}.function") or "", parameters))
     try:
         return Tools(tuple(defined), _tool_choice(choice, True if parallel is None else parallel))
     except InvalidArgument as exc:
@@ -424,9 +503,9 @@ def _tool_choice(choice: Any, parallel: bool) -> ToolChoice:
         if choice not in TOOL_CHOICES:
             raise InvalidArgument("tool_choice", f"must be auto, none, required or a function, got {choice!r}")
         return ToolChoice(TOOL_CHOICES[choice], parallel=parallel)
-    _present(_object(choice, "tool_choice"), TOOL_CHOICE_FIELDS, "tool_choice")
-    function = _object(choice.get("function"), "tool_choice.function")
-    name = _str(function, "name", "tool_choice.function")
+    _present(object_at(choice, "tool_choice"), TOOL_CHOICE_FIELDS, "tool_choice")
+    function = object_at(choice.get("function"), "tool_choice.function")
+    name = string_at(function, "name", "tool_choice.function")
     if choice.get("type") != "function" or name is None:
         raise InvalidArgument("tool_choice", 'must be {"type": "function", "function": {"name": ...}}')
     return ToolChoice(Mode.NAMED, name, parallel)
@@ -440,16 +519,20 @@ def _content(content: Any, where: str, may_be_empty: bool = False) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidArgument(f"{where}.content", f"must be a string or an array of text parts, got {_kind(content)}")
+        raise InvalidArgument(f"{where}.content", f"must be a string or an array of text parts, got {kind_of(content)}")
+    return "\n".join(part_texts(content, f"{where}.content", ("text",)))  # as vLLM joins text parts
+
+
+def part_texts(parts: list[Any], where: str, kinds: Sequence[str]) -> list[str]:
+    """The text of each content part at where (an array): each an object whose type is one of kinds."""
     texts = []
-    for j, part in enumerate(content):
-        part = _object(part, f"{where}.content[{j}]")
-        if part.get("type") != "text":
-            kind = part.get("type")
-            raise InvalidArgument(f"{where}.content[{j}].type", f"only text content is supported, got {kind!r}")
-        text = _str(part, "text", f"{where}.content[{j}]")
-        texts.append(text or "")
-    return "\n".join(texts)  # as vLLM joins text parts
+    for j, part in enumerate(parts):
+        part = object_at(part, f"{where}[{j}]")
+        if part.get("type") not in kinds:
+            shown = str(part.get("type"))[:64]
+            raise InvalidArgument(f"{where}[{j}].type", f"only {' or '.join(kinds)} parts are supported, got {shown!r}")
+        texts.append(string_at(part, "text", f"{where}[{j}]") or "")
+    return texts
 
 
 def prompt(raw: Any) -> str | list[int]:
@@ -462,7 +545,32 @@ def prompt(raw: Any) -> str | list[int]:
         return raw
     if isinstance(raw, list) and raw:
         return _ints(raw, "prompt")
-    raise InvalidArgument("prompt", f"must be a non-empty string or array of token ids, got {_kind(raw)}")
+    raise InvalidArgument("prompt", f"must be a non-empty string or array of token ids, got {kind_of(raw)}")
+
+
+def logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias}, as (id, bias) pairs by id. Only the JSON shape is checked here
+    (keys that are integers, values that are numbers, at most as many entries as allowed); the ids' vocabulary
+    and the biases' range are SamplingParams.validate's. Errors name logit_bias.<key>."""
+    if raw is None:
+        return ()
+    entries = object_at(raw, "logit_bias")
+    if len(entries) > MAX_LOGIT_BIAS_ENTRIES:  # before walking a large object
+        raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(entries)}")
+    biases: dict[int, float] = {}
+    for key, value in entries.items():
+        where = f"logit_bias.{key[:MAX_SHOWN_KEY_CHARS]}"
+        if not TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidArgument(where, "keys must be token ids (integers in decimal)")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidArgument(where, f"must be a number, got {kind_of(value)}")
+        if isinstance(value, int) and not -INT64 <= value < INT64:
+            raise InvalidArgument(where, f"the bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        token_id = int(key)
+        if token_id in biases:
+            raise InvalidArgument(where, f"names token {token_id} a second time")
+        biases[token_id] = float(value)
+    return tuple(sorted(biases.items()))
 
 
 def _stop(raw: Any) -> tuple[str, ...]:
@@ -486,16 +594,21 @@ def _seed(fields: Mapping[str, Any]) -> int | None:
 _KINDS = {str: "a string", bool: "true or false", dict: "an object", list: "an array"}
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     """What a client sent, for errors. A field given as null counts as absent (_present)."""
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "nothing"}.get(
         type(value), "a number"
     )
 
 
-def _object(value: Any, where: str) -> dict[str, Any]:
+def _shown(value: Any) -> str:
+    """A client's value for a short field (a type name) in an error: quoted, and cut, if a string."""
+    return repr(value[:64]) if isinstance(value, str) else kind_of(value)
+
+
+def object_at(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise InvalidArgument(where, f"must be an object, got {_kind(value)}")
+        raise InvalidArgument(where, f"must be an object, got {kind_of(value)}")
     return value
 
 
@@ -504,7 +617,7 @@ def _int(fields: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(name, f"must be an integer, got {_kind(value)}")
+        raise InvalidArgument(name, f"must be an integer, got {kind_of(value)}")
     if not -INT64 <= value < INT64 * 2:
         raise InvalidArgument(name, "must fit in 64 bits")
     return value
@@ -514,10 +627,10 @@ def _ints(values: Any, name: str) -> list[int]:
     if values is None:
         return []
     if not isinstance(values, list):
-        raise InvalidArgument(name, f"must be an array of integers, got {_kind(values)}")
+        raise InvalidArgument(name, f"must be an array of integers, got {kind_of(values)}")
     for i, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidArgument(f"{name}[{i}]", f"must be an integer, got {_kind(value)}")
+            raise InvalidArgument(f"{name}[{i}]", f"must be an integer, got {kind_of(value)}")
     return values
 
 
@@ -526,7 +639,7 @@ def _number(fields: Mapping[str, Any], name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgument(name, f"must be a number, got {_kind(value)}")
+        raise InvalidArgument(name, f"must be a number, got {kind_of(value)}")
     if isinstance(value, int) and not -INT64 <= value < INT64:
         raise InvalidArgument(name, "is out of range")
     return float(value)
@@ -535,12 +648,12 @@ def _number(fields: Mapping[str, Any], name: str) -> float | None:
 def _bool(fields: Mapping[str, Any], name: str, where: str = "") -> bool | None:
     value = fields.get(name)
     if value is not None and not isinstance(value, bool):
-        raise InvalidArgument(f"{where}.{name}" if where else name, f"must be true or false, got {_kind(value)}")
+        raise InvalidArgument(f"{where}.{name}" if where else name, f"must be true or false, got {kind_of(value)}")
     return value
 
 
-def _str(fields: Mapping[str, Any], name: str, where: str = "") -> str | None:
+def string_at(fields: Mapping[str, Any], name: str, where: str = "") -> str | None:
     value = fields.get(name)
     if value is not None and not isinstance(value, str):
-        raise InvalidArgument(f"{where}.{name}" if where else name, f"must be a string, got {_kind(value)}")
+        raise InvalidArgument(f"{where}.{name}" if where else name, f"must be a string, got {kind_of(value)}")
     return value

@@ -7,9 +7,11 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, ToolCallDelta, Usage
+from service.core.outputs import FinishReason, RequestOutput, TokenLogprob, ToolCallDelta, Usage, summary
 from service.core.stats import ModelInfo
 from service.core.tools import joined_calls
+from service.http import sse
+from service.http.errors import error_body
 from service.http.openai_in import ApiRequest
 
 # -- domain -> response ------------------------------------------------------------------------------------
@@ -26,11 +28,24 @@ def usage(u: Usage) -> dict[str, Any]:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
-        # cached_tokens: not computed (RAM or disk); disk_tokens, our extension: of those, restored from disk
-        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens, "disk_tokens": u.disk_prompt_tokens},
-        # OpenAI's name for tokens of a predicted output that appeared in the completion; our predictions are
-        # the speculative drafts
-        "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_draft_tokens},
+        # cached_tokens: not computed (RAM, disk or the remote tier); our extensions: of those, disk_tokens restored
+        # from local disk and remote_tokens fetched from the fleet's store; shared_tokens (n > 1), the prompt
+        # tokens the later candidates read from the first one's KV blocks
+        "prompt_tokens_details": {
+            "cached_tokens": u.cached_prompt_tokens,
+            "disk_tokens": u.disk_prompt_tokens,
+            "remote_tokens": u.remote_prompt_tokens,
+            "shared_tokens": u.shared_prompt_tokens,
+        },
+        # OpenAI's: the predicted output's tokens that the model kept (they appear in the completion) and those it
+        # did not (verified and thrown away), and the reasoning block's tokens; accepted_draft_tokens, our
+        # extension: every kept draft, prompt lookup's too
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_prediction_tokens,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens,
+            "accepted_draft_tokens": u.accepted_draft_tokens,
+            "reasoning_tokens": u.reasoning_tokens,
+        },
     }
 
 
@@ -38,57 +53,100 @@ class Reply:
     """Builds the response objects of one call: whole (non-streaming) or as stream chunks.
     token_text turns a token id into its text, for logprobs."""
 
+    closing: tuple[bytes, ...] = (sse.DONE,)  # a stream ends with data: [DONE]
+
+    @staticmethod
+    def encode(chunk: dict[str, Any]) -> bytes:
+        return sse.event(chunk)
+
+    @staticmethod
+    def error_event(exc: Exception) -> dict[str, Any]:
+        return error_body(exc)
+
     def __init__(self, call: ApiRequest, model: str, request_id: str, token_text: Callable[[int], str]) -> None:
         self.call, self.model, self.token_text = call, model, token_text
         self.id = ("chatcmpl-" if call.chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
-        # the token texts' length so far: completions' logprobs give each token's offset as their running total,
-        # as the whole response does (not the text sent, which holds back a token's text while it ends inside a
-        # multi-byte character or may start a stop string)
-        self.token_chars = 0
+        # per choice, the token texts' length so far: completions' logprobs give each token's offset as their
+        # running total, as the whole response does (not the text sent, which holds back a token's text while it
+        # ends inside a multi-byte character or may start a stop string)
+        self.token_chars = [0] * call.n
+        self.finals: list[RequestOutput] = []  # each choice's last output, in the order they finished
+
+    @property
+    def done(self) -> bool:
+        """Every choice has finished."""
+        return len(self.finals) == self.call.n
+
+    @property
+    def summary(self) -> RequestOutput | None:
+        """The last output, with every choice's usage combined (for the call's log line and metrics)."""
+        return summary(self.finals) if self.finals else None
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
     # non-streaming
     def response(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-        last = outputs[-1]
+        """The whole response: one choice per candidate, by index; usage counts the prompt once."""
+        choices = [self._choice([o for o in outputs if o.index == i]) for i in range(self.call.n)]
+        body = self._envelope("chat.completion" if self.call.chat else "text_completion", choices)
+        self.finals = [o for o in outputs if o.finished]
+        whole = self.summary
+        if whole is not None and whole.usage is not None:
+            body["usage"] = usage(whole.usage)
+        return body
+
+    def _choice(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         text = "".join(o.text for o in outputs)
         logprobs = self._logprobs([lp for o in outputs for lp in o.logprobs], text_start=0)
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": _finish(last)}
+        choice: dict[str, Any] = {
+            "index": outputs[-1].index,
+            "logprobs": logprobs,
+            "finish_reason": _finish(outputs[-1]),
+        }
         if self.call.chat:
             calls = tool_calls(d for o in outputs for d in o.tool_calls)
             choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            reasoning = "".join(o.reasoning for o in outputs)
+            if reasoning:
+                choice["message"]["reasoning"] = reasoning  # vLLM's name (and OpenRouter's) for it
             if calls:
                 choice["message"]["tool_calls"] = calls
-            body = self._envelope("chat.completion", [choice])
         else:
             choice["text"] = text
-            body = self._envelope("text_completion", [choice])
-        if last.usage is not None:
-            body["usage"] = usage(last.usage)
-        return body
+        return choice
 
     # streaming
     def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open with the assistant's role, as OpenAI's do."""
-        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.call.chat else []
+        """Chat streams open with the assistant's role, one chunk per choice, as OpenAI's do."""
+        return (
+            [self._chunk({"role": "assistant", "content": ""}, None, i) for i in range(self.call.n)]
+            if self.call.chat
+            else []
+        )
 
     def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
-        """The chunks for one engine output: its text (if any), then the finish reason, then usage."""
-        chunks = []
-        if out.text or out.logprobs:
-            logprobs = self._logprobs(out.logprobs, self.token_chars)
-            if logprobs is not None and not self.call.chat:
-                self.token_chars += sum(map(len, logprobs["tokens"]))
-            chunks.append(self._chunk({"content": out.text} if self.call.chat else out.text, None, logprobs))
+        """The chunks for one engine output: its text (if any), then its choice's finish reason, then, once every
+        choice has finished, usage."""
+        chunks, i = [], out.index
+        logprobs = self._logprobs(out.logprobs, self.token_chars[i]) if out.logprobs else None
+        if logprobs is not None and not self.call.chat:
+            self.token_chars[i] += sum(map(len, logprobs["tokens"]))
+        if out.reasoning:  # the output's logprobs go with its first chunk
+            chunks.append(self._chunk({"reasoning": out.reasoning}, None, i, logprobs))
+            logprobs = None
+        if out.text or logprobs is not None:
+            chunks.append(self._chunk({"content": out.text} if self.call.chat else out.text, None, i, logprobs))
         if out.tool_calls:
-            chunks.append(self._chunk({"tool_calls": tool_calls(out.tool_calls)}, None))
+            chunks.append(self._chunk({"tool_calls": tool_calls(out.tool_calls)}, None, i))
         if out.finished:
-            chunks.append(self._chunk({} if self.call.chat else "", _finish(out)))
-            if self.call.include_usage and out.usage is not None:
+            self.finals.append(out)
+            chunks.append(self._chunk({} if self.call.chat else "", _finish(out), i))
+            whole = self.summary
+            if self.done and self.call.include_usage and whole is not None and whole.usage is not None:
                 chunk = self._envelope(self._chunk_kind, [])
-                chunk["usage"] = usage(out.usage)
+                chunk["usage"] = usage(whole.usage)
                 chunks.append(chunk)
         return chunks
 
@@ -96,8 +154,10 @@ class Reply:
     def _chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.call.chat else "text_completion"
 
-    def _chunk(self, delta: dict[str, Any] | str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def _chunk(
+        self, delta: dict[str, Any] | str, finish: str | None, index: int, logprobs: Any = None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.call.chat:
             choice["delta"] = delta
         else:

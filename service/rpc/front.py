@@ -9,6 +9,7 @@ import logging
 import ssl
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,10 @@ from grpc_reflection.v1alpha import reflection
 
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.config import ServerConfig
-from service.core.outputs import RequestOutput
-from service.core.request import SESSION_KEY, session_key
-from service.metrics import Metrics, TokenClock
+from service.core.outputs import RequestOutput, summary
+from service.core.request import SESSION_KEY, Tenant, session_key
+from service.errors import Unauthenticated
+from service.metrics import Metrics, TokenClocks
 from service.rpc.status import status_details, status_of
 from service.rpc.wire import (
     SERVICE_NAME,
@@ -33,7 +35,7 @@ from service.rpc.wire import (
     tokenize_ids,
     unary_response,
 )
-from service.serving.auth import bearer_matches
+from service.serving.auth import Auth
 from service.serving.call import Call
 from service.serving.state import Serving
 
@@ -55,8 +57,8 @@ def session_id(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None
 class GenerationServicer:
     """ovserve.v1.Generation. Requests arrive as parsed messages or as wire.Malformed (see generation_handler)."""
 
-    def __init__(self, serving: Serving, metrics: Metrics) -> None:
-        self.serving, self.metrics = serving, metrics
+    def __init__(self, serving: Serving, metrics: Metrics, auth: Auth) -> None:
+        self.serving, self.metrics, self.auth = serving, metrics, auth
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:  # noqa: N802
         outputs = [out async for out in self._generate("Generate", request, context)]
@@ -92,13 +94,16 @@ class GenerationServicer:
             asked = await asyncio.to_thread(
                 generation_request, engine.tokenizer, request, label, context.time_remaining()
             )
-            clock = TokenClock(self.metrics, call.started)
-            stream = engine.generate(asked)
+            assert call.tenant is not None  # call() found it
+            clocks = TokenClocks(self.metrics, call.started, call.tenant.name)
+            stream = engine.generate(replace(asked, tenant=call.tenant))
+            finals = []
             try:
                 async for out in stream:
-                    clock.tick(out)
+                    clocks.tick(out)
                     if out.finished:
-                        call.output = out
+                        finals.append(out)
+                        call.output = summary(finals)
                     yield out
             finally:
                 await stream.aclose()
@@ -108,6 +113,7 @@ class GenerationServicer:
         """One RPC's Call; a domain error ends the RPC with its status, a cancel is counted and re-raised."""
         call = Call(self.serving, self.metrics, "grpc", rpc, generation)
         try:
+            call.tenant = tenant_of(self.auth, context.invocation_metadata())
             yield call
         except (asyncio.CancelledError, GeneratorExit):
             call.finish(why_cancelled(context).name)  # the client went away or its deadline passed
@@ -159,21 +165,29 @@ def status(serving: bool) -> Any:
 
 
 # -- auth --------------------------------------------------------------------------------------------------
-def authorized(method: str, metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> bool:
-    """Health checks are open so that probes work; everything else needs `authorization: Bearer <token>`."""
+def tenant_of(auth: Auth, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant:
+    """The tenant whose key the call carries (`authorization: Bearer <key>`); Unauthenticated when none."""
+    given = next((value for key, value in metadata or () if key == "authorization"), None)
+    tenant = auth.tenant_of(given.encode() if isinstance(given, str) else given)
+    if tenant is None:  # the interceptor let the call in, and a reload took its key away since
+        raise Unauthenticated("missing or wrong bearer token")
+    return tenant
+
+
+def authorized(method: str, metadata: Iterable[tuple[str, str | bytes]] | None, auth: Auth) -> bool:
+    """Health checks are open so that probes work; everything else needs `authorization: Bearer <key>`."""
     if method.startswith(HEALTH_EXEMPT_PREFIX):
         return True
-    for key, value in metadata or ():
-        if key == "authorization":
-            return bearer_matches(value if isinstance(value, bytes) else value.encode(), token.encode())
-    return False
+    try:
+        tenant_of(auth, metadata)
+    except Unauthenticated:
+        return False
+    return True
 
 
 class BearerAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("the auth token file is empty")
-        self._token = token
+    def __init__(self, auth: Auth) -> None:
+        self._auth = auth
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -182,7 +196,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, details):
-        if authorized(details.method, details.invocation_metadata, self._token):
+        if authorized(details.method, details.invocation_metadata, self._auth):
             return await continuation(details)
         handler = await continuation(details)
         return self._deny_stream if handler is not None and handler.response_streaming else self._deny_unary
@@ -201,7 +215,7 @@ def check_key_pair(cert: str, key: str) -> None:
 class GrpcFront:
     """A grpc.aio server on --port, bound at construction (a taken port fails here; port 0 gets its number)."""
 
-    def __init__(self, config: ServerConfig, serving: Serving, metrics: Metrics, token: str | None) -> None:
+    def __init__(self, config: ServerConfig, serving: Serving, metrics: Metrics, auth: Auth) -> None:
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -212,9 +226,9 @@ class GrpcFront:
             ("grpc.server_handshake_timeout_ms", int(config.http_head_timeout_seconds * 1000)),
             ("grpc.max_connection_idle_ms", int(config.keep_alive_timeout_seconds * 1000)),
         ]
-        interceptors = [BearerAuth(token)] if token is not None else []
+        interceptors = [BearerAuth(auth)] if auth.required else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
-        self.server.add_generic_rpc_handlers((generation_handler(GenerationServicer(serving, metrics)),))
+        self.server.add_generic_rpc_handlers((generation_handler(GenerationServicer(serving, metrics, auth)),))
         self.health = Health(serving)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

@@ -10,6 +10,7 @@ from service.errors import (
     InvalidArgument,
     QueueFull,
     ServiceError,
+    Unauthenticated,
     Unavailable,
     status_lookup,
 )
@@ -18,6 +19,7 @@ from service.errors import (
 STATUS_OF: dict[type[Exception], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     EngineFailure: grpc.StatusCode.INTERNAL,

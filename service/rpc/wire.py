@@ -14,19 +14,30 @@ from google.protobuf.message import DecodeError, Message
 from service.api.ovserve.v1 import ovserve_pb2 as pb
 from service.core import json_input
 from service.core.grammar import ResponseFormat
-from service.core.outputs import FinishReason, RequestOutput, Timings, TokenLogprob, ToolCallDelta, Usage
+from service.core.outputs import (
+    FinishReason,
+    RequestOutput,
+    Timings,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+    combined_usage,
+)
 from service.core.params import SamplingParams
 from service.core.stats import ModelInfo
 from service.core.tools import Mode, Tool, ToolChoice, Tools, joined_calls, template_call
 from service.engine import GenerationRequest
 from service.engine.tokenizer import Tokenizer
 from service.errors import InvalidArgument
-from service.serving.prompt import encode, the_one_input
+from service.serving.prompt import encode, encode_prediction, reasons, the_one_input
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = SERVICE.full_name  # "ovserve.v1.Generation"
 
-_NOT_OPTIONS = ("request_id", "prompt", "cache_salt", "response_format", "tool_choice")
+_NOT_OPTIONS = (
+    *("request_id", "prompt", "cache_salt", "response_format", "tool_choice", "enable_thinking", "n", "priority"),
+    "prediction",
+)
 
 # GenerateRequest's proto3 `optional` scalar fields that map one to one onto SamplingParams; unset ones keep
 # the server's defaults.
@@ -113,6 +124,7 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),
         speculation=SPECULATION[request.speculation],
+        logit_bias=tuple(sorted(request.logit_bias.items())),
     )
 
 
@@ -183,6 +195,7 @@ def generation_request(
         }
     )
     calls = tools(request)
+    thinking = request.enable_thinking if request.HasField("enable_thinking") else None
     ids = encode(
         tokenizer,
         field,
@@ -190,6 +203,7 @@ def generation_request(
         text=request.prompt if field == "prompt" else None,
         token_ids=request.prompt_token_ids if field == "prompt_token_ids" else None,
         tools=calls,
+        enable_thinking=thinking,
     )
     return GenerationRequest(
         ids,
@@ -200,6 +214,10 @@ def generation_request(
         cache_salt=request.cache_salt,
         response_format=response_format(request),
         tools=calls,
+        reasoning=reasons(tokenizer, field == "messages", thinking),
+        n=request.n if request.HasField("n") else 1,
+        priority=request.priority,
+        prediction=encode_prediction(tokenizer, request.prediction if request.HasField("prediction") else None),
     )
 
 
@@ -222,6 +240,10 @@ def usage_pb(usage: Usage) -> pb.Usage:
         cached_prompt_tokens=usage.cached_prompt_tokens,
         disk_prompt_tokens=usage.disk_prompt_tokens,
         accepted_draft_tokens=usage.accepted_draft_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+        accepted_prediction_tokens=usage.accepted_prediction_tokens,
+        rejected_prediction_tokens=usage.rejected_prediction_tokens,
+        remote_prompt_tokens=usage.remote_prompt_tokens,
     )
 
 
@@ -266,12 +288,35 @@ def stream_response(out: RequestOutput) -> pb.GenerateStreamResponse:
         token_ids=out.token_ids,
         logprobs=logprobs_pb(out.logprobs),
         tool_calls=tool_calls_pb(out.tool_calls),
+        reasoning_text=out.reasoning,
+        index=out.index,
         **final_fields(out),
     )
 
 
 def unary_response(outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
-    """All outputs of one request joined: the text and ids concatenated, the final fields from the last."""
+    """All outputs of one request joined. With several candidates: each one's reply in choices, and the fields
+    of candidate 0 at the top, but for the combined usage and the timings of the candidate that finished last."""
+    by_index: dict[int, list[RequestOutput]] = {}
+    for out in outputs:
+        by_index.setdefault(out.index, []).append(out)
+    if len(by_index) == 1:
+        return candidate_response(outputs)
+    choices = [candidate_response(by_index[i]) for i in sorted(by_index)]
+    response = pb.GenerateResponse()
+    response.CopyFrom(choices[0])
+    response.choices.extend(choices)
+    usages = [by_index[i][-1].usage for i in sorted(by_index)]
+    if all(u is not None for u in usages):
+        response.usage.CopyFrom(usage_pb(combined_usage([u for u in usages if u is not None])))
+    last = next(o for o in reversed(outputs) if o.finished)
+    if last.timings is not None:
+        response.timings.CopyFrom(timings_pb(last.timings))
+    return response
+
+
+def candidate_response(outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
+    """One candidate's outputs joined: the text and ids concatenated, the final fields from the last."""
     last = outputs[-1]
     return pb.GenerateResponse(
         request_id=last.request_id,
@@ -279,6 +324,8 @@ def unary_response(outputs: Sequence[RequestOutput]) -> pb.GenerateResponse:
         token_ids=[t for o in outputs for t in o.token_ids],
         logprobs=logprobs_pb(lp for o in outputs for lp in o.logprobs),
         tool_calls=tool_calls_pb(joined_calls(d for o in outputs for d in o.tool_calls)),
+        reasoning_text="".join(o.reasoning for o in outputs),
+        index=last.index,
         **final_fields(last),
     )
 

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from service.core.outputs import RequestOutput
-from service.core.request import check_label
+from service.core.request import Tenant, check_label
 from service.metrics import Metrics
 from service.serving.state import Serving
 
@@ -28,12 +28,18 @@ class Call:
         self.started = time.monotonic()
         self.request_id: str | None = None  # set once validated: only then may it reach the log
         self.session_id: str | None = None  # likewise
+        self.tenant: Tenant | None = None  # once authenticated (a configured tenant: a bounded metric label)
         self.output: RequestOutput | None = None  # the last one, once finished
         self.error: Exception | None = None  # what ended a reply already under way (its status is sent)
         self.finished = False
         self.in_flight = generation
         if generation:
             serving.num_in_flight += 1
+
+    @property
+    def tenant_name(self) -> str:
+        """The tenant's name, empty before it is known (a call refused first)."""
+        return self.tenant.name if self.tenant is not None else ""
 
     def label(self, given: str | None, field: str = "request_id") -> str:
         """The request's id: the client's, once checked (it is echoed and logged), or a new one."""
@@ -49,7 +55,7 @@ class Call:
         if self.in_flight:
             self.serving.num_in_flight -= 1
         seconds = time.monotonic() - self.started
-        self.metrics.observe_call(self.protocol, self.rpc, code, seconds, self.output)
+        self.metrics.observe_call(self.protocol, self.rpc, code, seconds, self.output, self.tenant_name)
         if self.request_id is None and exc is None:
             return  # health probes, model lists: nothing worth a line
         extra = self.record(code, seconds)
@@ -72,6 +78,8 @@ class Call:
             record["request_id"] = self.request_id
         if self.session_id is not None:
             record["session_id"] = self.session_id
+        if self.tenant is not None:
+            record["tenant"] = self.tenant.name
         usage = self.output.usage if self.output is not None else None
         if usage is not None:
             record["prompt_tokens"] = usage.prompt_tokens

@@ -30,14 +30,15 @@ def encode(
     text: str | None = None,
     token_ids: Sequence[int] | None = None,
     tools: Tools | None = None,
+    enable_thinking: bool | None = None,
 ) -> list[int]:
     """The input named field (exactly one of messages, text and token_ids given) as token ids. Active tools are
-    rendered into the chat template, so they need messages."""
+    rendered into the chat template, so they need messages; enable_thinking goes to the template."""
     if messages is not None:
         if not messages:
             raise InvalidArgument(field, "must contain at least one message")
         shown = [t.rendered() for t in tools.tools] if tools is not None and tools.active else None
-        return tokenizer.encode_chat(messages, shown)
+        return tokenizer.encode_chat(messages, shown, enable_thinking)
     if tools is not None and tools.active:
         raise InvalidArgument("tools", "need messages as the input: the chat template shows them to the model")
     if text is not None:
@@ -45,3 +46,14 @@ def encode(
             raise InvalidArgument(field, "must not be empty")
         return tokenizer.encode(text)
     return list(token_ids or ())
+
+
+def reasons(tokenizer: Tokenizer, chat: bool, enable_thinking: bool | None) -> bool:
+    """Whether a reply may reason (and its reasoning is returned apart): a chat whose template reasons in
+    Qwen3's format, with thinking not switched off. Raw prompts are the caller's own: their replies are text."""
+    return chat and enable_thinking is not False and tokenizer.think_ids is not None
+
+
+def encode_prediction(tokenizer: Tokenizer, text: str | None) -> list[int]:
+    """A predicted output's token ids, as the reply would hold its text (no BOS in front). Empty: no prediction."""
+    return tokenizer.encode(text, add_special_tokens=False) if text else []

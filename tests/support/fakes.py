@@ -15,6 +15,7 @@ INFO = ModelInfo("fake", "/nowhere", 64, 64, 100, (2,), 1, 1024, 4, 16, 2, 64)
 class FakeTokenizer:
     vocab_size = 100
     eos_token_ids = (2,)
+    think_ids = None  # its template does not reason
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 100 for c in text]
@@ -22,7 +23,7 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return "".join(chr(65 + i % 26) for i in ids)
 
-    def encode_chat(self, messages, tools=None) -> list[int]:
+    def encode_chat(self, messages, tools=None, enable_thinking=None) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
 
     def apply_chat_template(self, messages) -> str:

@@ -112,8 +112,17 @@ class DraftStats:
     def expected_tokens_up_to(self, limit: int) -> list[float]:
         """expected_tokens(k) for k = 0 to limit: 1 plus, for every j up to k within the latest guess's length,
         the chance that runs of its kind reach j."""
-        kind = self.latest.kind if self.latest else 0
-        length = len(self.latest.tokens) if self.latest else limit
+        return self._expected(self.latest, limit)
+
+    def best(self, guesses: Sequence[Guess]) -> Guess:
+        """Of several proposers' guesses, the one whose drafts are expected to yield the most (the first of
+        equals): a predicted output's guess gives way to prompt lookup's where the reply has been copying the
+        prompt rather than following the prediction, and the other way round."""
+        return max(guesses, key=lambda g: self._expected(g, len(g.tokens))[-1], default=Guess())
+
+    def _expected(self, guess: Guess | None, limit: int) -> list[float]:
+        kind = guess.kind if guess else 0
+        length = len(guess.tokens) if guess else limit
         prior = self.record_of_all.reach(kind, limit) if self.record_of_all else geometric_prior(limit)
         runs = self.by_kind.get(kind)
         reach = runs.reach(limit, prior) if runs else prior

@@ -14,6 +14,8 @@ from typing import Protocol
 
 # Matches are measured up to this many tokens; kinds are the lengths' powers of two (1, 2-3, 4-7, 8-15, 16+)
 LONGEST_MATCH = 16
+# A predicted output's guesses (prediction.py) are kinds of their own: PREDICTED plus their agreement's kind
+PREDICTED = 8
 
 
 @dataclass(frozen=True)

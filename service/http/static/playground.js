@@ -200,6 +200,17 @@ function showError(message, param) {
   field.scrollIntoView({ block: "nearest" });
 }
 
+// A 401: the server was started with --auth-token-file and the token field is empty or holds another token.
+function tokenError() {
+  const failure = new Error(
+    $("token").value.trim()
+      ? "the server refused this token: enter the one in the file given to --auth-token-file"
+      : "this server needs a token: enter the one in the file given to --auth-token-file",
+  );
+  failure.param = "token";
+  return failure;
+}
+
 function clearErrors() {
   $("notice").hidden = true;
   for (const note of document.querySelectorAll(".field-error")) note.remove();
@@ -239,10 +250,11 @@ async function reply() {
       body: JSON.stringify(body),
       signal: controller.signal,
     });
+    if (response.status === 401) throw tokenError();
     if (!response.ok) {
       const error = await response.json().catch(() => null);
       const failure = new Error(error && error.error ? error.error.message : `HTTP ${response.status}`);
-      failure.param = response.status === 401 ? "token" : error && error.error && error.error.param;
+      failure.param = error && error.error && error.error.param;
       throw failure;
     }
     for await (const chunk of events(response.body)) {
@@ -361,7 +373,13 @@ async function showModel() {
   try {
     const response = await fetch("v1/models", { headers: requestHeaders() });
     const body = await response.json();
-    $("model").textContent = response.ok ? body.data[0].id : body.error.message;
+    if (response.status === 401) {
+      $("model").textContent = "token needed";
+      clearErrors();
+      showError(tokenError().message, "token");
+    } else {
+      $("model").textContent = response.ok ? body.data[0].id : body.error.message;
+    }
     again = response.status === 503;
   } catch (error) {
     $("model").textContent = "server unreachable; retrying";

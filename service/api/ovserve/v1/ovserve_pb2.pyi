@@ -114,7 +114,14 @@ class ToolCall(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "cache_salt", "speculation", "response_format", "tools", "tool_choice")
+    __slots__ = ("request_id", "messages", "prompt", "prompt_token_ids", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "cache_salt", "speculation", "response_format", "tools", "tool_choice", "enable_thinking", "n", "logit_bias", "priority", "prediction")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +146,11 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     prompt: str
@@ -163,21 +175,34 @@ class GenerateRequest(_message.Message):
     response_format: ResponseFormat
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
+    enable_thinking: bool
+    n: int
+    logit_bias: _containers.ScalarMap[int, float]
+    priority: int
+    prediction: str
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., enable_thinking: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., priority: _Optional[int] = ..., prediction: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "disk_prompt_tokens", "accepted_draft_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "disk_prompt_tokens", "accepted_draft_tokens", "reasoning_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens", "remote_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISK_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     disk_prompt_tokens: int
     accepted_draft_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., disk_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    reasoning_tokens: int
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    remote_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., disk_prompt_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., remote_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "time_to_first_token_seconds", "total_seconds", "decode_seconds")
@@ -204,7 +229,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "logprobs", "tool_calls")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "logprobs", "tool_calls", "reasoning_text", "index", "choices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +238,9 @@ class GenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -221,10 +249,13 @@ class GenerateResponse(_message.Message):
     timings: Timings
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    reasoning_text: str
+    index: int
+    choices: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning_text: _Optional[str] = ..., index: _Optional[int] = ..., choices: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "logprobs", "tool_calls")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings", "logprobs", "tool_calls", "reasoning_text", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +264,8 @@ class GenerateStreamResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -241,7 +274,9 @@ class GenerateStreamResponse(_message.Message):
     timings: Timings
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    reasoning_text: str
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning_text: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "messages", "tools", "tool_choice")

@@ -1,0 +1,177 @@
+"""python -m bench.tenants MODEL: does one tenant's flood delay another tenant's request?
+
+A server (`python -m service`) with a keys file of two tenants, `flood` and `light`. In each mode (fair
+admission, the default, then `--no-fair-admission`: one queue in arrival order) the light tenant first sends
+one streamed request a second to the idle server (its idle time to first token), then the flood tenant sends
+--flood requests at once while the light tenant goes on sending one a second until the flood is served. Reported:
+the light tenant's time to first token during the flood against its idle time in the same run (median and
+worst), and how long the flood took. Every prompt is distinct (no prefix-cache hits between requests); replies
+are greedy with ignore_eos, so every request computes the same number of tokens in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import httpx
+
+from bench import sysinfo
+
+KEYS = {"flood": "flood-key-0123456789abcdef", "light": "light-key-0123456789abcdef"}
+MODES = {"fair": [], "fifo": ["--no-fair-admission"]}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m service` with the two tenants' keys, in one mode."""
+
+    def __init__(self, model: str, mode: str, folder: Path) -> None:
+        keys = folder / "keys"
+        keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
+        self.port = free_port()
+        args = [sys.executable, "-m", "service", "--model", model, "--port", "0", "--metrics-port", "0"]
+        args += ["--http-port", str(self.port), "--api-keys-file", str(keys), "--drain-delay-seconds", "0"]
+        self.log = open(folder / f"server-{mode}.log", "w")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(args + MODES[mode], stdout=self.log, stderr=subprocess.STDOUT)
+
+    async def ready(self, client, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                if (await client.get(f"http://127.0.0.1:{self.port}/ready")).status_code == 200:
+                    return
+            except httpx.TransportError:  # not listening yet
+                pass
+            await asyncio.sleep(0.5)
+        raise TimeoutError("the server did not become ready")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+        self.log.close()
+
+
+async def first_token(client, port: int, tenant: str, prompt: str, max_tokens: int) -> float | None:
+    """Seconds from sending a streamed completion to its first text; None when it was refused."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    started, first = time.perf_counter(), None
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            return None
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                first = time.perf_counter() - started
+    return first
+
+
+async def light_requests(client, port: int, count: int, max_tokens: int, tag: str, until=None) -> list[float]:
+    """One light request a second (count of them, or until `until` is done); their times to first token."""
+    tasks = []
+    for i in range(count):
+        if until is not None and until.done():
+            break
+        prompt = f"[{tag} {i}] Write one sentence about the sea."
+        tasks.append(asyncio.create_task(first_token(client, port, "light", prompt, max_tokens)))
+        await asyncio.sleep(1.0)
+    return [t for t in await asyncio.gather(*tasks) if t is not None]
+
+
+async def run_mode(model: str, mode: str, args: argparse.Namespace, folder: Path) -> dict:
+    server = Server(model, mode, folder)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    try:
+        async with httpx.AsyncClient(limits=limits, timeout=900) as client:
+            await server.ready(client)
+            await light_requests(client, server.port, 2, args.light_max_tokens, f"{mode} warm-up")
+            idle = await light_requests(client, server.port, args.light_requests, args.light_max_tokens, f"{mode} idle")
+            started = time.perf_counter()
+            prompts = [f"[{mode} flood {i}] Tell a long story about a lighthouse keeper." for i in range(args.flood)]
+            flood = asyncio.gather(
+                *(first_token(client, server.port, "flood", p, args.flood_max_tokens) for p in prompts)
+            )
+            await asyncio.sleep(0.5)  # the flood is queued first
+            loaded = await light_requests(
+                client, server.port, 10_000, args.light_max_tokens, f"{mode} loaded", until=flood
+            )
+            flood_ttft = [t for t in await flood if t is not None]
+            flood_seconds = time.perf_counter() - started
+    finally:
+        server.stop()
+    return {
+        "mode": mode,
+        "idle_ttft": idle,
+        "loaded_ttft": loaded,
+        "idle_median": median(idle),
+        "loaded_median": median(loaded) if loaded else None,
+        "loaded_worst": max(loaded) if loaded else None,
+        "ratio_median": median(loaded) / median(idle) if loaded else None,
+        "ratio_worst": max(loaded) / median(idle) if loaded else None,
+        "flood_served": len(flood_ttft),
+        "flood_seconds": flood_seconds,
+        "flood_median_ttft": median(flood_ttft) if flood_ttft else None,
+    }
+
+
+def report(results: list[dict]) -> str:
+    lines = [
+        "| mode | light TTFT idle (median) | during the flood (median / worst) | ratio (median / worst) | flood |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r["loaded_median"] is None:
+            lines.append(f"| {r['mode']} | {r['idle_median'] * 1000:.0f} ms | no light request during the flood | | |")
+            continue
+        lines.append(
+            f"| {r['mode']} | {r['idle_median'] * 1000:.0f} ms | {r['loaded_median'] * 1000:.0f} / "
+            f"{r['loaded_worst'] * 1000:.0f} ms ({len(r['loaded_ttft'])} requests) | {r['ratio_median']:.2f}x / "
+            f"{r['ratio_worst']:.2f}x | {r['flood_served']} served in {r['flood_seconds']:.1f} s |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.tenants", description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--flood", type=int, default=200, help="requests the flood tenant sends at once")
+    p.add_argument("--flood-max-tokens", type=int, default=64)
+    p.add_argument("--light-requests", type=int, default=10, help="idle-server requests of the light tenant")
+    p.add_argument("--light-max-tokens", type=int, default=16)
+    p.add_argument("--modes", default="fair,fifo", help="comma-separated: fair, fifo")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes.split(","):
+            results.append(asyncio.run(run_mode(args.model, mode, args, Path(tmp))))
+            print(report(results[-1:]).splitlines()[-1], flush=True)
+    print(report(results))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: v for k, v in vars(args).items() if k != "out"}
+        machine = {"machine": sysinfo.machine(), "versions": sysinfo.versions(), "loadavg": os.getloadavg()}
+        args.out.write_text(json.dumps({"settings": settings, **machine, "results": results}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
