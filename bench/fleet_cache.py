@@ -4,12 +4,13 @@ Replica A (fleet cache and a disk tier on) computes conversations of --history t
 blocks to a Redis store (and writes them to its disk). Then the next turn of each (the history plus a new user
 message) goes to:
   - replica B, fleet cache on and its own empty disk: the history is fetched from the store ("remote");
-  - replica C, no tiers: the history is computed ("recompute");
+  - replica C, its own empty disk and no fleet cache: the history is computed ("recompute");
   - replica D, started afterwards on A's disk folder (A stopped, its writes flushed), no remote: the history is
     read from local disk ("disk"), the same blocks B fetched, as after a restart of A.
 Time to first token of each, the prompt tokens each computed, then the remote fetch's time split (network,
 integrity checks, copy into the cache) over one history's blocks, and decode throughput with the fleet cache on
-and nothing to fetch against off (fresh prompts: every one looked up in vain). Token ids are random (fixed seed).
+and nothing to fetch (B) against off (C: the same disk tier, so that only the fleet cache differs), on fresh
+prompts that every lookup misses, in alternating order. Token ids are random (fixed seed).
 
 The store is a redis-server started in a temporary folder on a free port (Debian's redis-server), or
 --redis-url for one of your own (its database is flushed: give it an empty one).
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gb", type=float, default=0.2)
     p.add_argument("--history", type=int, default=2000, help="tokens of each conversation's history")
     p.add_argument("--rounds", type=int, default=3, help="conversations")
+    p.add_argument("--throughput-rounds", type=int, default=6, help="rounds of the on/off throughput pair (0: none)")
     p.add_argument("--redis-url", help="a store of your own (flushed first) instead of a local redis-server")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = (None, a.redis_url) if a.redis_url else start_redis(work)
         redis.Redis.from_url(url).flushdb()
         try:
-            result = run(a, rng, url, str(Path(work) / "disk-a"), str(Path(work) / "disk-b"))
+            result = run(a, rng, url, *(str(Path(work) / f"disk-{r}") for r in "abc"))
         finally:
             if proc is not None:
                 proc.kill()
@@ -172,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(a: argparse.Namespace, rng: random.Random, url: str, disk_a: str, disk_b: str) -> dict:
+def run(a: argparse.Namespace, rng: random.Random, url: str, disk_a: str, disk_b: str, disk_c: str) -> dict:
     replica_a = engine(a.model, a.kv_cache_gb, url, disk_a)
-    b, c = engine(a.model, a.kv_cache_gb, url, disk_b), engine(a.model, a.kv_cache_gb)
+    b, c = engine(a.model, a.kv_cache_gb, url, disk_b), engine(a.model, a.kv_cache_gb, None, disk_c)
     vocab, bs = replica_a.info.vocab_size, replica_a.info.block_size
     histories = [[rng.randrange(200, vocab) for _ in range(a.history)] for _ in range(a.rounds)]
     nexts = [h + [rng.randrange(200, vocab) for _ in range(TURN_TOKENS)] for h in histories]
@@ -191,8 +193,9 @@ def run(a: argparse.Namespace, rng: random.Random, url: str, disk_a: str, disk_b
         split = fetch_split(b, nexts[0])
         batch = [[rng.randrange(200, vocab) for _ in range(256)] for _ in range(8)]
         rates: dict[str, list[float]] = {"fleet cache on": [], "off": []}
-        for _ in range(3):
-            for name, e in (("fleet cache on", b), ("off", c)):
+        for i in range(a.throughput_rounds):
+            pair = [("fleet cache on", b), ("off", c)]
+            for name, e in pair if i % 2 == 0 else pair[::-1]:
                 rates[name].append(throughput(e, batch, 64))
             batch = [[rng.randrange(200, vocab) for _ in range(256)] for _ in range(8)]  # nothing to fetch
         remote_stats = vars(b.stats().remote)
@@ -220,7 +223,12 @@ def run(a: argparse.Namespace, rng: random.Random, url: str, disk_a: str, disk_b
         "prompt_tokens_computed": {k: [r["computed"] for r in rows] for k, rows in turns.items()},
         "fetch_split": split,
         "throughput_tokens_per_s": rates,
-        "throughput_ratio_on_over_off": median(rates["fleet cache on"]) / median(rates["off"]),
+        # per round, then the median: each round's pair ran back to back
+        "throughput_ratio_on_over_off": median(
+            on / off for on, off in zip(rates["fleet cache on"], rates["off"], strict=True)
+        )
+        if a.throughput_rounds
+        else None,
         "remote_stats": remote_stats,
         "turns": turns,
     }
