@@ -208,7 +208,7 @@ bench-kv-disk: $(STAMP) $(MODEL)/manifest.json
 
 # The fleet cache: a returning conversation on a replica that never saw it, from a local redis-server (Debian's)
 # against recomputing and against local disk, in one run (bench/results-fleet-cache). For the Qwen3-4B shape:
-# make bench-fleet-cache MODEL=models/qwen3-4b-synthetic-int8 FLEET_CACHE_ARGS="--kv-cache-gb 0.5"
+# make bench-fleet-cache MODEL=models/qwen3-4b-synthetic-int8 FLEET_CACHE_ARGS="--kv-cache-gb 0.5 --rounds 1 --throughput-rounds 0"
 FLEET_CACHE_ARGS ?=
 bench-fleet-cache: $(STAMP) system-packages $(MODEL)/manifest.json
 	$(PY) -m bench.fleet_cache $(MODEL) $(FLEET_CACHE_ARGS) --out bench/results-fleet-cache/$(notdir $(MODEL)).json
