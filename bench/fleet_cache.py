@@ -103,9 +103,9 @@ def throughput(e: Engine, prompts: list[list[int]], max_new: int) -> float:
 
 
 def remote_store(e: Engine) -> RemoteStore:
-    tier = e.core.remote_tier
-    assert tier is not None, "the replica has no remote tier"
-    return tier.store
+    tiers = e.core.tiers
+    assert tiers is not None and tiers.remote is not None, "the replica has no remote tier"
+    return tiers.remote.store
 
 
 def wait_published(e: Engine, num_blocks: int, timeout: float = 120) -> None:

@@ -80,7 +80,8 @@ class Ours:
 
     def settle(self) -> None:
         """Let the tier's I/O thread write what is queued, so an eviction that follows cannot outrun it."""
-        tier = self.engine.core.disk_tier
+        tiers = self.engine.core.tiers
+        tier = tiers.disk if tiers is not None else None
         deadline = time.monotonic() + 60
         while tier is not None and tier.pending_bytes and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -86,13 +86,13 @@ def run(model: str, streams: list[int], rounds: int, max_new: int) -> dict[str, 
             ids = prompts(engine, n)
             asyncio.run(batch(engine, ids, 16, constrained=False))  # warm the step shapes of this batch
             rates: dict[str, list[float]] = {"plain": [], "json_schema": []}
-            engine.core.mask_seconds.clear()
+            engine.core.masks.seconds.clear()
             for _ in range(rounds):
                 for mode in ("plain", "json_schema"):
                     tokens, seconds = asyncio.run(batch(engine, ids, max_new, constrained=mode == "json_schema"))
                     assert tokens == n * max_new, f"{mode}: {tokens} tokens, expected {n * max_new}"
                     rates[mode].append(tokens / seconds)
-            masks = list(engine.core.mask_seconds)
+            masks = list(engine.core.masks.seconds)
             ratios = [c / p for p, c in zip(rates["plain"], rates["json_schema"], strict=True)]
             results["streams"][str(n)] = {
                 "tokens_per_second": {mode: [round(r, 1) for r in values] for mode, values in rates.items()},

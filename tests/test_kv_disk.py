@@ -62,9 +62,9 @@ def run(engine: Engine, prompt, **kw):
 def wait_stored(engine: Engine, num_blocks: int) -> None:
     """The tier writes on its own thread: wait until it has stored num_blocks blocks."""
     deadline = time.monotonic() + 10
-    while engine.core.disk_tier.store.num_blocks < num_blocks and time.monotonic() < deadline:
+    while engine.core.tiers.disk.store.num_blocks < num_blocks and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine.core.disk_tier.store.num_blocks >= num_blocks
+    assert engine.core.tiers.disk.store.num_blocks >= num_blocks
 
 
 def evict_from_ram(engine: Engine) -> None:

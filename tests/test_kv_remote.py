@@ -60,7 +60,7 @@ def replicas(smollm2_ir, store, tmp_path_factory):
     """Replica A and replica B: each its own RAM and its own disk folder, one store."""
     a = make_engine(smollm2_ir, tmp_path_factory.mktemp("disk-a"), store.url)
     b = make_engine(smollm2_ir, tmp_path_factory.mktemp("disk-b"), store.url)
-    wait_for(lambda: a.core.remote_tier.up and b.core.remote_tier.up)
+    wait_for(lambda: a.core.tiers.remote.up and b.core.tiers.remote.up)
     yield a, b
     a.shutdown()
     b.shutdown()
@@ -93,11 +93,11 @@ def full_blocks(engine: Engine, prompt) -> int:
 
 
 def computed_on_a(a: Engine, prompt, **kw):
-    before = a.core.remote_tier.store.counters.num_published
+    before = a.core.tiers.remote.store.counters.num_published
     out, usage = run(a, prompt, **kw)
     assert usage.cached_prompt_tokens == 0  # A computed it (nothing of it was anywhere)
     bs = a.info.block_size
-    wait_for(lambda: a.core.remote_tier.store.counters.num_published - before >= (len(prompt) + len(out) - 1) // bs)
+    wait_for(lambda: a.core.tiers.remote.store.counters.num_published - before >= (len(prompt) + len(out) - 1) // bs)
     return out
 
 
@@ -112,7 +112,7 @@ def test_a_replica_that_never_saw_a_conversation_answers_it_from_the_store(repli
     assert (usage.cached_prompt_tokens, usage.remote_prompt_tokens, usage.disk_prompt_tokens) == (n, n, 0)
     assert_no_blocks_held(b)
     # the fetched blocks landed on B's disk: once B's RAM forgot them, they come from there
-    wait_for(lambda: b.core.disk_tier.store.num_blocks >= n // b.info.block_size)
+    wait_for(lambda: b.core.tiers.disk.store.num_blocks >= n // b.info.block_size)
     for topic in ("volcanoes", "glaciers", "deserts"):
         run(b, history(b, topic))
     out, usage = run(b, prompt)
@@ -132,7 +132,7 @@ def test_corrupt_values_in_the_store_are_caught_and_the_reply_stays_exact(replic
     a, b = replicas
     prompt = history(a, "beekeeping")
     reply = computed_on_a(a, prompt)
-    remote = a.core.remote_tier.store
+    remote = a.core.tiers.remote.store
     digests = a.core.kv.full_block_digests(-1, prompt, "")
     a.core.kv.free(-1)  # (only the digests were wanted)
     client = store.client()
@@ -197,14 +197,14 @@ def test_a_store_that_stops_mid_run_never_fails_a_request(replicas, store, caplo
     assert len(out) == GREEDY.max_new_tokens
     out, usage = run(b, prompt)  # the store is gone: the history is computed, the reply the same
     assert out == reply and usage.remote_prompt_tokens == 0
-    wait_for(lambda: not b.core.remote_tier.up)
+    wait_for(lambda: not b.core.tiers.remote.up)
     out, usage = run(b, prompt)
     assert out == reply
     assert "does not answer" in caplog.text
     assert b.stats().remote.num_errors >= 1 and b.stats().remote.num_outages >= 1
     assert_no_blocks_held(b)
     store.start()  # restarted, empty: both replicas find it again and the fleet cache works as before
-    wait_for(lambda: a.core.remote_tier.up and b.core.remote_tier.up, timeout=40)
+    wait_for(lambda: a.core.tiers.remote.up and b.core.tiers.remote.up, timeout=40)
     prompt = history(a, "kayaking")
     reply = computed_on_a(a, prompt)
     out, usage = run(b, prompt)
@@ -217,7 +217,7 @@ def test_a_store_that_never_answers_leaves_a_server_that_serves(smollm2_ir, tmp_
     try:
         out, usage = run(engine, history(engine, "chess"))
         assert len(out) == GREEDY.max_new_tokens and usage.remote_prompt_tokens == 0
-        assert not engine.core.remote_tier.up and "does not answer" in caplog.text
+        assert not engine.core.tiers.remote.up and "does not answer" in caplog.text
         assert_no_blocks_held(engine)
     finally:
         engine.shutdown()
@@ -246,13 +246,13 @@ def test_two_servers_share_a_conversation_over_the_http_api(smollm2_ir, store, t
         messages = conversation("river deltas")
         replies = []
         for running in servers:
-            wait_for(lambda running=running: running.engine.core.remote_tier.up)
+            wait_for(lambda running=running: running.engine.core.tiers.remote.up)
             http = openai.OpenAI(base_url=f"{running.url}/v1", api_key="-", timeout=TIMEOUT)
             reply = http.chat.completions.create(
                 model=http.models.list().data[0].id, messages=messages, max_tokens=16, temperature=0
             )
             if not replies:  # A's history reaches the store before B is asked
-                counters = running.engine.core.remote_tier.store.counters
+                counters = running.engine.core.tiers.remote.store.counters
                 num_blocks = len(running.engine.tokenizer.encode_chat(messages)) // running.engine.info.block_size
                 wait_for(lambda counters=counters, n=num_blocks: counters.num_published >= n)
             replies.append(reply)

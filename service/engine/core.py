@@ -9,45 +9,34 @@ called so that the front can fail every caller and report unhealthy.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
-
-import numpy as np
 
 from service.core.config import EngineConfig
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request
-from service.core.scheduler import ScheduledChunk, Scheduler, StepPlan
+from service.core.scheduler import Scheduler, StepPlan
 from service.core.spec import StepTimes
 from service.core.stats import EngineStats, ModelInfo
 from service.engine import warmup
-from service.engine.disk_store import DiskStore
-from service.engine.kv_tier import KVDiskTier, LoadResult
-from service.engine.kv_tiers import KVTiers
+from service.engine.kv_tier import LoadResult
+from service.engine.kv_tiers import build_tiers, kv_identity
+from service.engine.masks import MaskThread
 from service.engine.model_files import ModelFiles
-from service.engine.outputs import Abort, Command, EngineOutput, Publish, error_of, output_of
-from service.engine.remote_store import RemoteStore, read_password
-from service.engine.remote_tier import KVRemoteTier
+from service.engine.outputs import Abort, Command, EngineOutput, Progress, Publish, error_of, output_of, step_output
 from service.engine.runner import ModelRunner, StepInput
 from service.engine.sampling import sample_step
 from service.engine.stats import StageClock, StatsBook
 from service.errors import DeadlineExceeded, EngineFailure, InvalidArgument, ServiceError, Unavailable
 
-__all__ = ["EngineCore", "EngineOutput", "kv_identity"]
+__all__ = ["EngineCore", "EngineOutput"]
 
 log = logging.getLogger(__name__)
-
-MASK_TIMES_KEPT = 10_000
 
 
 class EngineCore:
@@ -68,16 +57,7 @@ class EngineCore:
             self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching, identity=identity
         )
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self.disk_tier: KVDiskTier | None = None
-        if config.kv_disk_dir:
-            store = DiskStore(
-                Path(config.kv_disk_dir), identity, int(config.kv_disk_gb * 2**30), config.kv_disk_ttl_seconds
-            )
-            self.disk_tier = KVDiskTier(store, self.runner.cache_arrays(), self._commands.put)
-        self.remote_tier = remote_tier(config, identity, self.runner.cache_arrays())
-        self.tiers: KVTiers | None = None
-        if self.disk_tier is not None or self.remote_tier is not None:
-            self.tiers = KVTiers(self.disk_tier, self.remote_tier, self._commands.put)
+        self.tiers = build_tiers(config, identity, self.runner.cache_arrays(), self._commands.put)
         # the draft policy's table of step times, measured at warm-up
         self.step_times = StepTimes()
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.tiers, step_times=self.step_times)
@@ -105,12 +85,10 @@ class EngineCore:
         )
         self._publish = publish
         self._on_death = on_death
-        self.book = StatsBook(self.scheduler, self.kv, self.disk_tier, self.remote_tier)
+        self.book = StatsBook(self.scheduler, self.kv, self.tiers)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        # seconds spent computing grammar masks, per step that had any: benchmarks read their distribution
-        self.mask_seconds: deque[float] = deque(maxlen=MASK_TIMES_KEPT)
-        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.masks = MaskThread()
         self.alive = False  # the thread runs and takes requests
 
     # -- any thread ------------------------------------------------------------------------------------
@@ -133,7 +111,7 @@ class EngineCore:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self._grammar_thread.shutdown(wait=False)
+        self.masks.shutdown()
         self.alive = False
         if self.tiers is not None:  # blocks filled before the stop reach the disk: a restart finds them
             self.tiers.close(timeout=30)
@@ -253,11 +231,7 @@ class EngineCore:
 
     def _run_plan(self, plan: StepPlan, clock: StageClock) -> list[EngineOutput]:
         sampled = [c for c in plan.chunks if c.sample]
-        # The grammars' masks depend only on the tokens accepted so far, so they are computed while the model
-        # runs, on the grammar thread (both release the GIL); the engine thread takes the matchers back with
-        # the result and is their only user otherwise.
-        constrained = [c for c in sampled if c.request.matcher is not None]
-        pending = self._grammar_thread.submit(self._masks, constrained) if constrained else None
+        pending = self.masks.start(sampled)  # computed while the model runs
         report = self.runner.step([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
         self.book.num_shape_changes += report.shape_changed
         clock.lap("execute")
@@ -273,36 +247,16 @@ class EngineCore:
             plan = replace(plan, chunks=[c for c in plan.chunks if c.request.id not in gone])
             keep = [i for i in range(len(sampled)) if i not in failed]
             sampled, runs, logprobs = [sampled[i] for i in keep], [runs[i] for i in keep], [logprobs[i] for i in keep]
-        before = [
-            (c.request.num_output_tokens, c.request.num_accepted_drafts, c.request.num_accepted_predicted)
-            for c in sampled
-        ]
+        before = [Progress.of(c.request) for c in sampled]
         self.scheduler.update(plan, runs)
         clock.lap("update")
-        for chunk, (n, drafts_before, predicted_before), run_logprobs in zip(sampled, before, logprobs, strict=True):
+        for chunk, progress, run_logprobs in zip(sampled, before, logprobs, strict=True):
             matcher = chunk.request.matcher
             if matcher is not None and matcher.error:
                 outputs.append(self._grammar_failed(chunk.request, matcher.error))
-                continue
-            new = chunk.request.output_token_ids[n:]  # a stop inside a run drops the tokens after it
-            kept = [lp for lp in run_logprobs[: len(new)] if lp is not None]
-            # a verify step's run is its kept drafts (the predicted ones first), then the model's own token
-            num_kept = chunk.request.num_accepted_drafts - drafts_before
-            num_predicted = chunk.request.num_accepted_predicted - predicted_before
-            drafted = [True] * num_kept + [False] * (len(new) - num_kept)
-            predicted = [True] * num_predicted + [False] * (len(new) - num_predicted)
-            outputs.append(output_of(chunk.request, new, kept, drafted, predicted))
+            else:
+                outputs.append(step_output(chunk.request, progress, run_logprobs))
         return outputs
-
-    def _masks(self, chunks: list[ScheduledChunk]) -> dict[int, np.ndarray]:
-        """On the grammar thread: each constrained chunk's masks, by request id."""
-        start = time.perf_counter()
-        masks = {}
-        for c in chunks:
-            assert c.request.matcher is not None
-            masks[c.request.id] = c.request.matcher.masks(c.drafts)
-        self.mask_seconds.append(time.perf_counter() - start)
-        return masks
 
     def _grammar_failed(self, request: Request, error: str) -> EngineOutput:
         """A grammar that hit one of its limits (an extreme schema) ends its own request with an error, and
@@ -337,44 +291,3 @@ class EngineCore:
             self.scheduler.finish(request)
             outputs.append(error_of(request, error))
         self._publish(outputs)
-
-
-def remote_tier(config: EngineConfig, identity: bytes, cache: list[np.ndarray]) -> KVRemoteTier | None:
-    """The remote tier the config asks for; None without one, or (with a warning) when its password file cannot
-    be read: the server serves without it rather than not at all."""
-    if not config.kv_remote_url:
-        return None
-    password = None
-    if config.kv_remote_password_file:
-        try:
-            password = read_password(config.kv_remote_password_file)
-        except OSError as exc:
-            log.warning("kv remote tier off: cannot read --kv-remote-password-file: %s", exc)
-            return None
-    try:
-        store = RemoteStore(
-            config.kv_remote_url,
-            identity,
-            sum(a[0].nbytes for a in cache),
-            password=password,
-            ttl_seconds=config.kv_remote_ttl_seconds,
-            timeout=config.kv_remote_timeout_seconds,
-            ca_cert=config.kv_remote_ca_cert,
-        )
-    except ValueError as exc:  # the URL's text: its message never quotes a password (redis-py names the part)
-        log.warning("kv remote tier off: --kv-remote-url cannot be used: %s", exc)
-        return None
-    return KVRemoteTier(store, cache)
-
-
-def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:
-    """Everything that changes what a KV block holds: the model's content, the cache's format (runtime,
-    precision, block shape, the activations' precision, how steps feed tokens) and the settings that change the
-    numbers written (dynamic quantization). Thread counts are left out: they change only the order of sums."""
-    parts = {
-        "model": model.digest,
-        "cache_format": cache_format,
-        "kv_cache_precision": config.kv_cache_precision,
-        "dq_group_size": config.dq_group_size,
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).digest()

@@ -5,15 +5,28 @@ engine hands filled blocks and planned loads to. A load restores the chain's hea
 thread and continues, from the first block the disk could not give, on the remote tier's fetcher thread; blocks
 fetched remotely are also queued for the local disk before the load is reported, while their request is still
 loading and no step can touch them. The engine hears of a load once, with how many blocks came from where.
+build_tiers makes the tiers a config asks for; kv_identity is what every tier (RAM's digests too) keys blocks by.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+import numpy as np
+
+from service.core.config import EngineConfig
+from service.engine.disk_store import DiskStore
 from service.engine.kv_tier import KVDiskTier, LoadResult
+from service.engine.model_files import ModelFiles
+from service.engine.remote_store import RemoteStore, read_password
 from service.engine.remote_tier import KVRemoteTier
+
+log = logging.getLogger(__name__)
 
 
 class KVTiers:
@@ -83,3 +96,59 @@ class KVTiers:
             self.report(LoadResult(request_id, total, time.perf_counter() - start, num_remote=result.num_loaded))
 
         self.remote.load(request_id, digests[num_restored:], block_ids[num_restored:], fetched)
+
+
+def build_tiers(
+    config: EngineConfig, identity: bytes, cache: list[np.ndarray], report: Callable[[LoadResult], None]
+) -> KVTiers | None:
+    """The tiers below RAM the config asks for, over the KV cache's arrays; None without any. report takes the
+    loads' results (the engine's command queue)."""
+    disk = None
+    if config.kv_disk_dir:
+        size, ttl = int(config.kv_disk_gb * 2**30), config.kv_disk_ttl_seconds
+        disk = KVDiskTier(DiskStore(Path(config.kv_disk_dir), identity, size, ttl), cache, report)
+    remote = remote_tier(config, identity, cache)
+    if disk is None and remote is None:
+        return None
+    return KVTiers(disk, remote, report)
+
+
+def remote_tier(config: EngineConfig, identity: bytes, cache: list[np.ndarray]) -> KVRemoteTier | None:
+    """The remote tier the config asks for; None without one, or (with a warning) when its password file cannot
+    be read: the server serves without it rather than not at all."""
+    if not config.kv_remote_url:
+        return None
+    password = None
+    if config.kv_remote_password_file:
+        try:
+            password = read_password(config.kv_remote_password_file)
+        except OSError as exc:
+            log.warning("kv remote tier off: cannot read --kv-remote-password-file: %s", exc)
+            return None
+    try:
+        store = RemoteStore(
+            config.kv_remote_url,
+            identity,
+            sum(a[0].nbytes for a in cache),
+            password=password,
+            ttl_seconds=config.kv_remote_ttl_seconds,
+            timeout=config.kv_remote_timeout_seconds,
+            ca_cert=config.kv_remote_ca_cert,
+        )
+    except ValueError as exc:  # the URL's text: its message never quotes a password (redis-py names the part)
+        log.warning("kv remote tier off: --kv-remote-url cannot be used: %s", exc)
+        return None
+    return KVRemoteTier(store, cache)
+
+
+def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:
+    """Everything that changes what a KV block holds: the model's content, the cache's format (runtime,
+    precision, block shape, the activations' precision, how steps feed tokens) and the settings that change the
+    numbers written (dynamic quantization). Thread counts are left out: they change only the order of sums."""
+    parts = {
+        "model": model.digest,
+        "cache_format": cache_format,
+        "kv_cache_precision": config.kv_cache_precision,
+        "dq_group_size": config.dq_group_size,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).digest()

@@ -73,6 +73,34 @@ def output_of(
     )
 
 
+@dataclass(frozen=True)
+class Progress:
+    """A request's counts before a step's update: what the step added is measured from them."""
+
+    num_output_tokens: int
+    num_accepted_drafts: int
+    num_accepted_predicted: int
+
+    @classmethod
+    def of(cls, request: Request) -> Progress:
+        return cls(request.num_output_tokens, request.num_accepted_drafts, request.num_accepted_predicted)
+
+
+def step_output(request: Request, before: Progress, logprobs: list[TokenLogprob | None]) -> EngineOutput:
+    """What one step added to a request since before: its new tokens (a stop inside a run drops the tokens after
+    it), their logprobs (of the step's run) and which of them were kept drafts. A verify step's run is its kept
+    drafts (the predicted ones first), then the model's own token."""
+    new = request.output_token_ids[before.num_output_tokens :]
+    kept = [lp for lp in logprobs[: len(new)] if lp is not None]
+    num_drafted = request.num_accepted_drafts - before.num_accepted_drafts
+    num_predicted = request.num_accepted_predicted - before.num_accepted_predicted
+    return output_of(request, new, kept, _first(num_drafted, len(new)), _first(num_predicted, len(new)))
+
+
+def _first(num_true: int, length: int) -> list[bool]:
+    return [True] * num_true + [False] * (length - num_true)
+
+
 def error_of(request: Request, error: ServiceError) -> EngineOutput:
     """A request's last output when it fails."""
     out = output_of(request, [], [])

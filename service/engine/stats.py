@@ -8,8 +8,7 @@ import time
 from service.core.kv_cache import KVCacheManager
 from service.core.scheduler import Scheduler, StepPlan
 from service.core.stats import DiskTierStats, EngineStats, RemoteTierStats
-from service.engine.kv_tier import KVDiskTier
-from service.engine.remote_tier import KVRemoteTier
+from service.engine.kv_tiers import KVTiers
 
 
 class StageClock:
@@ -32,14 +31,8 @@ class StageClock:
 class StatsBook:
     """Counts what only the engine thread sees (failed steps, changes of shape) and publishes snapshots."""
 
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        kv: KVCacheManager,
-        disk_tier: KVDiskTier | None,
-        remote_tier: KVRemoteTier | None = None,
-    ) -> None:
-        self.scheduler, self.kv, self.disk_tier, self.remote_tier = scheduler, kv, disk_tier, remote_tier
+    def __init__(self, scheduler: Scheduler, kv: KVCacheManager, tiers: KVTiers | None) -> None:
+        self.scheduler, self.kv, self.tiers = scheduler, kv, tiers
         self.num_failed_steps = 0
         self.num_shape_changes = 0
         blocks = kv.pool.num_blocks
@@ -87,7 +80,7 @@ class StatsBook:
         )
 
     def _disk_stats(self) -> DiskTierStats | None:
-        tier = self.disk_tier
+        tier = self.tiers.disk if self.tiers is not None else None
         if tier is None:
             return None
         store, t = tier.store.counters, tier.counters
@@ -107,7 +100,7 @@ class StatsBook:
         )
 
     def _remote_stats(self) -> RemoteTierStats | None:
-        tier = self.remote_tier
+        tier = self.tiers.remote if self.tiers is not None else None
         if tier is None:
             return None
         store, t = tier.store.counters, tier.counters

@@ -338,17 +338,7 @@ def prediction(fields: Mapping[str, Any]) -> str | None:
     if not isinstance(content, list) or not content:
         shown = "an empty array" if content == [] else kind_of(content)
         raise InvalidArgument("prediction.content", f"must be a string or a non-empty array of text parts, got {shown}")
-    texts = []
-    for j, part in enumerate(content):
-        where = f"prediction.content[{j}]"
-        part = _present(object_at(part, where), TEXT_PART_FIELDS, where)
-        if part.get("type") != "text":
-            raise InvalidArgument(f"{where}.type", f"must be 'text', got {_shown(part.get('type'))}")
-        text = string_at(part, "text", where)
-        if text is None:
-            raise InvalidArgument(f"{where}.text", "is required (a string)")
-        texts.append(text)
-    return "".join(texts)
+    return "".join(part_texts(content, "prediction.content", ("text",), strict=True))
 
 
 def messages(raw: Any) -> list[dict[str, Any]]:
@@ -523,15 +513,25 @@ def _content(content: Any, where: str, may_be_empty: bool = False) -> str:
     return "\n".join(part_texts(content, f"{where}.content", ("text",)))  # as vLLM joins text parts
 
 
-def part_texts(parts: list[Any], where: str, kinds: Sequence[str]) -> list[str]:
-    """The text of each content part at where (an array): each an object whose type is one of kinds."""
+def part_texts(parts: list[Any], where: str, kinds: Sequence[str], strict: bool = False) -> list[str]:
+    """The text of each content part at where (an array): each an object whose type is one of kinds. Strict (a
+    predicted output's parts): a part holds only type and text, and its text is required; otherwise (messages'
+    contents, as vLLM takes them) other keys pass and a part without text counts as empty."""
     texts = []
-    for j, part in enumerate(parts):
-        part = object_at(part, f"{where}[{j}]")
-        if part.get("type") not in kinds:
-            shown = str(part.get("type"))[:64]
-            raise InvalidArgument(f"{where}[{j}].type", f"only {' or '.join(kinds)} parts are supported, got {shown!r}")
-        texts.append(string_at(part, "text", f"{where}[{j}]") or "")
+    for j, raw in enumerate(parts):
+        at = f"{where}[{j}]"
+        part = _present(object_at(raw, at), TEXT_PART_FIELDS, at) if strict else object_at(raw, at)
+        kind = part.get("type")
+        if kind not in kinds:
+            if strict:
+                problem = f"must be {' or '.join(map(repr, kinds))}, got {_shown(kind)}"
+            else:
+                problem = f"only {' or '.join(kinds)} parts are supported, got {str(kind)[:64]!r}"
+            raise InvalidArgument(f"{at}.type", problem)
+        text = string_at(part, "text", at)
+        if text is None and strict:
+            raise InvalidArgument(f"{at}.text", "is required (a string)")
+        texts.append(text or "")
     return texts
 
 
