@@ -48,8 +48,12 @@ class RedisServer:
         return f"rediss://localhost:{self.port}/0" if self.tls else f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        tls = {"ssl": True, "ssl_ca_certs": str(self.tls[1])} if self.tls else {}
-        return redis.Redis(host="localhost", port=self.port, password=self.password, socket_timeout=5, **tls)
+        if self.tls:
+            ca = str(self.tls[1])
+            return redis.Redis(
+                "localhost", self.port, password=self.password, socket_timeout=5, ssl=True, ssl_ca_certs=ca
+            )
+        return redis.Redis("localhost", self.port, password=self.password, socket_timeout=5)
 
     def start(self) -> None:
         command = ["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
@@ -90,5 +94,5 @@ class RedisServer:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
 
-    def keys(self) -> list[bytes]:
+    def keys(self) -> list:
         return sorted(self.client().keys("*"))

@@ -639,20 +639,24 @@ def with_shared_tier(
 def kill_one(
     lb: HAProxy, replicas: dict[str, Replica], conversations: int, turns: int, max_new_tokens: int, timeout: float = 120
 ) -> dict:
-    """Session hashing: conversations settle on their replicas, then during their next turn the replica holding
-    most of them is killed (SIGKILL) once each of its sessions' turns is streaming. Cut turns are sent again and
-    land on the survivors. Measured: each of its sessions' first turn that ended after the kill."""
+    """Session hashing: conversations settle on their replicas, then during their next turn the replica that alone
+    served most of them is killed (SIGKILL) once each of those sessions' turns is streaming. Cut turns are sent
+    again and land on the survivors. Measured: each of its sessions' first turn that ended after the kill. Its
+    sessions are those it alone served: bounded load moves a session now and then, and a survivor that served a
+    turn of it holds part of its history in RAM."""
     settled = max(1, turns - 2)
     convs = talk_through(lb.target, "kill", conversations, True, settled, max_new_tokens)
-    served = served_by(replicas, [c.turns[-1].request_id for c in convs])
-    homes = {c.name: served[c.turns[-1].request_id] for c in convs}
-    victim = Counter(homes.values()).most_common(1)[0][0]
-    theirs = [c for c in convs if homes[c.name] == victim]
+    served = served_by(replicas, [t.request_id for c in convs for t in c.turns])
+    homes = {c.name: {served[t.request_id] for t in c.turns} for c in convs}
+    if not any(len(h) == 1 for h in homes.values()):  # every session moved: take the last turns' replicas
+        homes = {c.name: {served[c.turns[-1].request_id]} for c in convs}
+    victim = Counter(next(iter(h)) for h in homes.values() if len(h) == 1).most_common(1)[0][0]
+    theirs = [c for c in convs if homes[c.name] == {victim}]
     streaming = threading.Semaphore(0)
     cut: list[int] = []
 
     def talk(c: Conversation) -> None:
-        on_stream = streaming.release if homes[c.name] == victim else None
+        on_stream = streaming.release if homes[c.name] == {victim} else None
         for _ in range(turns - settled):
             cut.append(turn_until_served(c, client, max_new_tokens, timeout, on_stream))
             on_stream = None
@@ -670,11 +674,22 @@ def kill_one(
     return {
         "replica_killed": victim,
         "its_sessions": len(theirs),
+        "sessions_it_shared": sum(victim in h and len(h) > 1 for h in homes.values()),
         "turns_before_kill": settled,
         "streams_cut": sum(cut),
         "before_kill": summary([t for c in convs for t in c.turns[1:settled]]) if settled > 1 else None,
         "next_turns_of_its_sessions": summary(next_turns)
-        | {"served_by": sorted({served.get(t.request_id, "?") for t in next_turns})},
+        | {
+            "turns": [
+                {
+                    "served_by": served.get(t.request_id, "?"),
+                    "history_tokens": t.history_tokens,
+                    "cached_prompt_tokens": t.cached_prompt_tokens,
+                    "remote_prompt_tokens": t.remote_prompt_tokens,
+                }
+                for t in next_turns
+            ]
+        },
         "all_turns_after_kill": summary([t for c in convs for t in c.turns if t.finished > killed]),
     }
 
