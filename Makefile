@@ -10,7 +10,7 @@ CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 OPTIMUM_INTEL := optimum-intel==2.2.0
 
-.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-engines llama-server bench-capacity-full bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-tenants bench-predicted clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-engines llama-server bench-capacity-full bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-fleet-routing bench-tenants bench-predicted clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -228,6 +228,11 @@ bench-llamacpp: $(STAMP) $(MODEL)/manifest.json
 bench-replicas: $(STAMP) $(MODEL)/manifest.json system-packages
 	$(PY) -m bench.replicas scaling --model $(MODEL) --out bench/results-replicas/results.json
 	$(PY) -m bench.replicas affinity --model $(MODEL) --out bench/results-replicas/results.json
+
+# The fleet cache as routing sees it, through HAProxy over three replicas and one redis-server: round robin without
+# it and with it, one replica killed under session hashing, one added under load (bench/replicas.py fleet).
+bench-fleet-routing: $(STAMP) $(MODEL)/manifest.json system-packages
+	$(PY) -m bench.replicas fleet --model $(MODEL) --out bench/results-replicas/fleet.json
 
 clean:
 	rm -rf $(VENV) models/*/ .pytest_cache

@@ -22,9 +22,6 @@ import argparse
 import asyncio
 import json
 import random
-import shutil
-import socket
-import subprocess
 import tempfile
 import time
 import zlib
@@ -35,33 +32,12 @@ import numpy as np
 import redis
 
 from bench import sysinfo, workers
+from bench.loopback import RedisServer
 from service.core.params import SamplingParams
 from service.engine import Engine, GenerationRequest
 from service.engine.remote_store import RemoteStore
 
 TURN_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(folder: str) -> tuple[subprocess.Popen, str]:
-    if shutil.which("redis-server") is None:
-        raise SystemExit("redis-server is not installed (make system-packages), or give --redis-url")
-    port = free_port()
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen([*command, "--dir", folder], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(500):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def engine(model: str, kv_cache_gb: float, url: str | None = None, disk: str | None = None) -> Engine:
@@ -159,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rng = random.Random(0)
     with tempfile.TemporaryDirectory(prefix="fleet-cache-") as work:
-        proc, url = (None, a.redis_url) if a.redis_url else start_redis(work)
+        server = None if a.redis_url else RedisServer(Path(work))
+        url = server.url if server is not None else a.redis_url
         redis.Redis.from_url(url).flushdb()
         try:
             result = run(a, rng, url, *(str(Path(work) / f"disk-{r}") for r in "abc"))
         finally:
-            if proc is not None:
-                proc.kill()
+            if server is not None:
+                server.stop()
     result["machine"] = sysinfo.machine()
     print(json.dumps({k: v for k, v in result.items() if k not in ("turns", "machine")}, indent=1))
     if a.out:

@@ -9,6 +9,12 @@ the later turns and the prompt tokens they had to compute.
 three replicas from clients that never retry, while the three are restarted one after another (each drained
 with SIGTERM, then started again on its port); requests that failed, with --drain-delay-seconds 0 (refusing new
 requests at once) against the default delay, in the same run.
+`python -m bench.replicas fleet --model DIR`: the fleet cache (--kv-remote-url, a local redis-server) as routing
+sees it, through HAProxy: (a) round robin over three replicas without it, then the same conversations over three
+fresh replicas with it; (b) with it, session hashing, and one replica killed (SIGKILL) while its sessions' turns
+stream: their next turns on the survivors; (c) a fourth replica started under load, joining the pool in a slot
+kept for it: its first request. Per case: the share of the returning turns' history found in a cache (RAM, disk
+or the store) and fetched from the store, prompt tokens computed, time to first token.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -26,20 +33,20 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
+from bench import sysinfo
+from bench.loopback import RedisServer, free_port
 from deploy.lb import Pool, haproxy_config
 from service.client import Client, new_session_id
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:
@@ -131,6 +138,14 @@ class HAProxy:
         self.http_url = f"http://127.0.0.1:{pool.http_listen_port}"
         wait_listening("haproxy", self.proc, self.log, pool.listen_port, 10)
 
+    def wait_server(self, name: str, state: str, timeout: float = 30) -> None:
+        """Until HAProxy logs that the gRPC backend's server name (replica0, ...) went state (UP or DOWN)."""
+        deadline = time.monotonic() + timeout
+        while f"replicas/{name} is {state}" not in self.log.read_text():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"haproxy did not mark {name} {state}: {self.log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -141,7 +156,16 @@ class HAProxy:
                 self.proc.wait(10)
 
 
-def local_pool(replicas: list[Replica], **kw) -> Pool:
+@dataclass(frozen=True)
+class Slot:
+    """Ports kept for a replica started later (a scale-out): in the load balancer's pool from the start, down
+    until a replica serves on them, as the deployed HAProxy's server-template slots are until DNS fills them."""
+
+    port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+
+
+def local_pool(replicas: Sequence[Replica | Slot], **kw) -> Pool:
     """The deployed routing (deploy/lb.py defaults) on loopback ports, with faster health checks."""
     settings = {"check_interval_ms": 500, "check_timeout_ms": 500} | kw
     return Pool(
@@ -196,10 +220,14 @@ def user_text(conversation: str, turn: int, words: int) -> str:
 @dataclass
 class Turn:
     prompt_tokens: int
-    cached_prompt_tokens: int
+    cached_prompt_tokens: int  # found in a cache: RAM, local disk or the fleet's store
     completion_tokens: int
     ttft: float
     history_tokens: int  # the previous turn's prompt: what a replica that served it has cached
+    remote_prompt_tokens: int = 0  # of the cached ones, those fetched from the fleet's store
+    request_id: str = ""  # as the replica that served it logged it
+    started: float = 0.0  # time.monotonic() when it was sent
+    finished: float = 0.0  # and when its last message came
 
 
 @dataclass
@@ -218,13 +246,32 @@ class Conversation:
         words = self.opening_words if n == 0 else self.turn_words
         return [*self.messages, {"role": "user", "content": f"{self.name}: {user_text(self.name, n, words)}"}]
 
-    def record(self, messages: list[dict[str, str]], reply: str, last, ttft: float) -> None:
+    def record(self, messages: list[dict[str, str]], reply: str, last, ttft: float, started: float = 0.0) -> None:
         history = self.turns[-1].prompt_tokens if self.turns else 0
         u = last.usage
-        self.turns.append(Turn(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens, ttft, history))
+        self.turns.append(
+            Turn(
+                u.prompt_tokens,
+                u.cached_prompt_tokens,
+                u.completion_tokens,
+                ttft,
+                history,
+                u.remote_prompt_tokens,
+                last.request_id,
+                started,
+                time.monotonic(),
+            )
+        )
         self.messages = [*messages, {"role": "assistant", "content": reply}]
 
-    def turn(self, client: Client, max_new_tokens: int, timeout: float, request_id: str | None = None) -> None:
+    def turn(
+        self,
+        client: Client,
+        max_new_tokens: int,
+        timeout: float,
+        request_id: str | None = None,
+        on_first_token: Callable[[], None] | None = None,
+    ) -> None:
         """One turn, streamed; raises grpc.RpcError (ReplicaLost for a cut stream) and leaves the
         conversation as it was."""
         messages = self.next_messages()
@@ -242,16 +289,49 @@ class Conversation:
         ):
             if ttft is None and chunk.token_ids:
                 ttft = time.monotonic() - started
+                if on_first_token is not None:
+                    on_first_token()
             text.append(chunk.text)
             last = chunk
         assert last is not None and ttft is not None
-        self.record(messages, "".join(text), last, ttft)
+        self.record(messages, "".join(text), last, ttft, started)
+
+
+def later_turns(conversations: list[Conversation]) -> list[Turn]:
+    return [t for c in conversations for t in c.turns[1:]]
+
+
+def share_of_history(turns: list[Turn], remote_only: bool = False) -> float:
+    """Share of the previous turn's prompt (the history) found in a cache (RAM, disk or the fleet's store), or
+    with remote_only, fetched from the fleet's store, over turns that have a history. A prefix is found in RAM
+    first, then on disk, then in the store: the fetched tokens are the end of what was found."""
+
+    def found(t: Turn) -> int:
+        in_history = min(t.cached_prompt_tokens, t.history_tokens)
+        local = t.cached_prompt_tokens - t.remote_prompt_tokens
+        return max(0, in_history - local) if remote_only else in_history
+
+    return sum(found(t) for t in turns) / sum(t.history_tokens for t in turns)
 
 
 def history_from_cache(conversations: list[Conversation]) -> float:
     """Share of the previous turn's prompt found in the prefix cache, over every turn after the first."""
-    later = [t for c in conversations for t in c.turns[1:]]
-    return sum(min(t.cached_prompt_tokens, t.history_tokens) for t in later) / sum(t.history_tokens for t in later)
+    return share_of_history(later_turns(conversations))
+
+
+def summary(turns: list[Turn]) -> dict:
+    """What turns with a history found and cost: the share of it from a cache and from the fleet's store, the
+    prompt tokens computed, time to first token."""
+    ttfts = [t.ttft for t in turns]
+    return {
+        "history_from_cache": round(share_of_history(turns), 4),
+        "history_from_shared_tier": round(share_of_history(turns, remote_only=True), 4),
+        "later_turns": len(turns),
+        "prompt_tokens_computed": sum(t.prompt_tokens - t.cached_prompt_tokens for t in turns),
+        "prompt_tokens": sum(t.prompt_tokens for t in turns),
+        "ttft_mean_ms": round(1000 * statistics.fmean(ttfts), 1),
+        "ttft_p95_ms": round(1000 * percentile(ttfts, 0.95), 1),
+    }
 
 
 def run_conversations(
@@ -268,13 +348,62 @@ def run_conversations(
             future.result()
 
 
+def talk_through(
+    target: str, prefix: str, count: int, hashed: bool, turns: int, max_new_tokens: int
+) -> list[Conversation]:
+    """count conversations named prefix-i, with a session key each if hashed, all at once."""
+    convs = [Conversation(f"{prefix}-{i}", new_session_id() if hashed else None) for i in range(count)]
+    run_conversations(target, convs, turns, max_new_tokens)
+    return convs
+
+
+def turn_until_served(
+    c: Conversation,
+    client: Client,
+    max_new_tokens: int,
+    timeout: float,
+    on_first_token: Callable[[], None] | None = None,
+    attempts: int = 3,
+) -> int:
+    """One turn, sent again while a replica fails it (a stream cut by a replica that died): the failures."""
+    for failures in range(attempts):
+        try:
+            c.turn(client, max_new_tokens, timeout, on_first_token=on_first_token if failures == 0 else None)
+            return failures
+        except grpc.RpcError:
+            if failures == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def served_by(replicas: dict[str, Replica], request_ids: Sequence[str] = (), timeout: float = 10) -> dict[str, str]:
+    """Request id -> the name of the replica that logged it done. A replica logs a request once its reply has gone
+    out: this waits (at most timeout seconds) until each of request_ids is in a log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = {
+            request_id: name
+            for name, r in replicas.items()
+            for request_id in re.findall(r"request done request_id=(\S+)", r.log.read_text())
+        }
+        if set(request_ids) <= done.keys() or time.monotonic() > deadline:
+            return done
+        time.sleep(0.05)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 # -- benchmarks --------------------------------------------------------------------------------------------
-def affinity(model: Path, conversations: int, turns: int, max_new_tokens: int) -> dict:
+def affinity(
+    model: Path,
+    conversations: int,
+    turns: int,
+    max_new_tokens: int,
+    modes: Sequence[str] = ("round_robin", "session_hash"),
+) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -282,22 +411,9 @@ def affinity(model: Path, conversations: int, turns: int, max_new_tokens: int) -
         lb = None
         try:
             lb = HAProxy(local_pool(replicas, log_requests=False), work)
-            for mode in ("round_robin", "session_hash"):
-                convs = [
-                    Conversation(f"{mode}-{i}", new_session_id() if mode == "session_hash" else None)
-                    for i in range(conversations)
-                ]
-                run_conversations(lb.target, convs, turns, max_new_tokens)
-                later = [t for c in convs for t in c.turns[1:]]
-                ttfts = [t.ttft for t in later]
-                results[mode] = {
-                    "history_from_cache": round(history_from_cache(convs), 4),
-                    "later_turns": len(later),
-                    "prompt_tokens_computed": sum(t.prompt_tokens - t.cached_prompt_tokens for t in later),
-                    "prompt_tokens": sum(t.prompt_tokens for t in later),
-                    "ttft_mean_ms": round(1000 * statistics.fmean(ttfts), 1),
-                    "ttft_p95_ms": round(1000 * percentile(ttfts, 0.95), 1),
-                }
+            for mode in modes:
+                convs = talk_through(lb.target, mode, conversations, mode == "session_hash", turns, max_new_tokens)
+                results[mode] = summary(later_turns(convs))
                 print(mode, results[mode], flush=True)
         finally:
             if lb is not None:
@@ -398,8 +514,6 @@ class SteadyLoad:
             thread.start()
 
     def worker(self, index: int, max_new_tokens: int) -> None:
-        import grpc
-
         n = 0
         while not self.stopping.is_set():
             n += 1
@@ -468,9 +582,182 @@ def drain(model: Path, streams: int, max_new_tokens: int, delays: list[float]) -
     return results
 
 
+# -- the fleet cache: routing with a shared tier -----------------------------------------------------------
+SPARE = "replica3"  # HAProxy's name for the slot a scale-out fills: the fourth server of the pool
+
+
+def fleet(model: Path, conversations: int, turns: int, max_new_tokens: int, scale_out_conversations: int) -> dict:
+    """Round robin over three replicas without the fleet cache, then (fresh replicas, one redis-server) with it;
+    with it still, session hashing while one replica is killed, then a replica added under load."""
+    results = affinity(model, conversations, turns, max_new_tokens, modes=("round_robin",))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "store").mkdir()
+        store = RedisServer(work / "store")
+        try:
+            results |= with_shared_tier(
+                model, work, store.url, conversations, turns, max_new_tokens, scale_out_conversations
+            )
+        finally:
+            store.stop()
+    return results
+
+
+def with_shared_tier(
+    model: Path, work: Path, url: str, conversations: int, turns: int, max_new_tokens: int, scale_out: int
+) -> dict:
+    args = ("--kv-remote-url", url)
+    replicas = {f"replica{i}": r for i, r in enumerate(start_replicas(model, 3, work, 1, 0.05, *args))}
+    spare = Slot()
+    lb = None
+    results: dict[str, dict] = {}
+    try:
+        lb = HAProxy(local_pool([*replicas.values(), spare], log_requests=False), work)
+        lb.wait_server(SPARE, "DOWN")  # an empty slot, as a server-template's before DNS fills it
+        # the conversations of round robin alone: the same prompts, replies of the same lengths
+        convs = talk_through(lb.target, "round_robin", conversations, False, turns, max_new_tokens)
+        results["round_robin_shared_tier"] = summary(later_turns(convs))
+        print("round_robin_shared_tier", results["round_robin_shared_tier"], flush=True)
+        results["kill_one"] = kill_one(lb, replicas, conversations, turns, max_new_tokens)
+        print("kill_one", results["kill_one"], flush=True)
+
+        def start_spare() -> Replica:
+            log = work / f"{SPARE}.log"
+            replicas[SPARE] = Replica(model, log, 1, 0.05, *args, port=spare.port, http_port=spare.http_port)
+            return replicas[SPARE]
+
+        results["scale_out"] = scale_out_under_load(lb, replicas, start_spare, scale_out, max_new_tokens)
+        print("scale_out", results["scale_out"], flush=True)
+    finally:
+        if lb is not None:
+            lb.stop()
+        for r in replicas.values():
+            r.stop()
+    return results
+
+
+def kill_one(
+    lb: HAProxy, replicas: dict[str, Replica], conversations: int, turns: int, max_new_tokens: int, timeout: float = 120
+) -> dict:
+    """Session hashing: conversations settle on their replicas, then during their next turn the replica that alone
+    served most of them is killed (SIGKILL) once each of those sessions' turns is streaming. Cut turns are sent
+    again and land on the survivors. Measured: each of its sessions' first turn that ended after the kill. Its
+    sessions are those it alone served: bounded load moves a session now and then, and a survivor that served a
+    turn of it holds part of its history in RAM."""
+    settled = max(1, turns - 2)
+    convs = talk_through(lb.target, "kill", conversations, True, settled, max_new_tokens)
+    served = served_by(replicas, [t.request_id for c in convs for t in c.turns])
+    homes = {c.name: {served[t.request_id] for t in c.turns} for c in convs}
+    if not any(len(h) == 1 for h in homes.values()):  # every session moved: take the last turns' replicas
+        homes = {c.name: {served[c.turns[-1].request_id]} for c in convs}
+    victim = Counter(next(iter(h)) for h in homes.values() if len(h) == 1).most_common(1)[0][0]
+    theirs = [c for c in convs if homes[c.name] == {victim}]
+    streaming = threading.Semaphore(0)
+    cut: list[int] = []
+
+    def talk(c: Conversation) -> None:
+        on_stream = streaming.release if homes[c.name] == {victim} else None
+        for _ in range(turns - settled):
+            cut.append(turn_until_served(c, client, max_new_tokens, timeout, on_stream))
+            on_stream = None
+
+    with Client(lb.target, timeout=timeout) as client, concurrent.futures.ThreadPoolExecutor(len(convs)) as pool:
+        futures = [pool.submit(talk, c) for c in convs]
+        for _ in theirs:
+            streaming.acquire(timeout=timeout)
+        killed = time.monotonic()
+        replicas[victim].proc.kill()
+        for f in futures:
+            f.result()
+    next_turns = [next(t for t in c.turns if t.finished > killed) for c in theirs]
+    served = served_by(replicas, [t.request_id for t in next_turns])
+    return {
+        "replica_killed": victim,
+        "its_sessions": len(theirs),
+        "sessions_it_shared": sum(victim in h and len(h) > 1 for h in homes.values()),
+        "turns_before_kill": settled,
+        "streams_cut": sum(cut),
+        "before_kill": summary([t for c in convs for t in c.turns[1:settled]]) if settled > 1 else None,
+        "next_turns_of_its_sessions": summary(next_turns)
+        | {
+            "turns": [
+                {
+                    "served_by": served.get(t.request_id, "?"),
+                    "history_tokens": t.history_tokens,
+                    "cached_prompt_tokens": t.cached_prompt_tokens,
+                    "remote_prompt_tokens": t.remote_prompt_tokens,
+                }
+                for t in next_turns
+            ]
+        },
+        "all_turns_after_kill": summary([t for c in convs for t in c.turns if t.finished > killed]),
+    }
+
+
+def scale_out_under_load(
+    lb: HAProxy,
+    replicas: dict[str, Replica],
+    start: Callable[[], Replica],
+    conversations: int,
+    max_new_tokens: int,
+    timeout: float = 120,
+    max_turns: int = 12,
+) -> dict:
+    """Session hashing over the live replicas, conversations talking without pause; once each has had its first
+    turn, a new replica is started (start: on the spare slot's ports, added to replicas), loads and joins the
+    pool. The load goes on until the new replica has served a request and every conversation has sent two turns
+    since it joined (or had max_turns). Measured: the new replica's first request (by start time), and all the
+    requests it served."""
+    convs = [Conversation(f"scale-{i}", new_session_id()) for i in range(conversations)]
+    opened = threading.Semaphore(0)
+    stop = threading.Event()
+
+    def talk(c: Conversation) -> None:
+        while not stop.is_set() and len(c.turns) < max_turns:
+            turn_until_served(c, client, max_new_tokens, timeout)
+            if len(c.turns) == 1:
+                opened.release()
+
+    with Client(lb.target, timeout=timeout) as client, concurrent.futures.ThreadPoolExecutor(len(convs)) as pool:
+        futures = [pool.submit(talk, c) for c in convs]
+        for _ in convs:
+            opened.acquire(timeout=timeout)
+        started = time.monotonic()
+        new = start()
+        new.wait_serving()
+        serving = time.monotonic()
+        lb.wait_server(SPARE, "UP")
+        joined = time.monotonic()
+
+        def enough() -> bool:
+            if all(f.done() for f in futures):
+                return True
+            sent_since = [sum(t.started > joined for t in c.turns) for c in convs]
+            return bool(served_by({SPARE: new})) and min(sent_since) >= 2
+
+        while not enough():
+            time.sleep(0.2)
+        stop.set()
+        for f in futures:
+            f.result()
+    served = served_by(replicas, [t.request_id for c in convs for t in c.turns])
+    on_new = sorted((t for c in convs for t in c.turns if served.get(t.request_id) == SPARE), key=lambda t: t.started)
+    return {
+        "conversations": conversations,
+        "replica_loading_s": round(serving - started, 1),
+        "in_pool_after_s": round(joined - started, 1),
+        "turns_while_it_loaded": sum(started < t.finished < joined for c in convs for t in c.turns),
+        "requests_on_new_replica": len(on_new),
+        "first_request_on_new_replica": summary(on_new[:1]) | {"history_tokens": on_new[0].history_tokens}
+        if on_new
+        else None,
+        "all_on_new_replica": summary(on_new) if on_new else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.replicas", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("scaling", "affinity", "drain"))
+    p.add_argument("what", choices=("scaling", "affinity", "drain", "fleet"))
     p.add_argument("--delays", default="0,2", help="drain: the --drain-delay-seconds values compared")
     p.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-int8")
     p.add_argument("--streams", type=int, default=8)
@@ -479,8 +766,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--scale-out-conversations", type=int, default=8, help="fleet: the load while a replica joins")
     p.add_argument("--out", type=Path, help="merge the results into this JSON file")
     args = p.parse_args(argv)
+    if args.what == "fleet" and args.turns < 3:
+        p.error("fleet needs --turns 3 or more (a kill comes two turns before the end)")
+    load_before = os.getloadavg()
     if args.what == "drain":
         delays = [float(d) for d in args.delays.split(",")]
         result = drain(args.model, args.streams, args.max_new_tokens, delays)
@@ -488,10 +779,20 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "scaling":
         result = scaling(args.model, args.streams, args.requests, args.max_new_tokens, args.rounds)
         settings = {"streams": args.streams, "requests": args.requests, "max_new_tokens": args.max_new_tokens}
+    elif args.what == "fleet":
+        result = fleet(args.model, args.conversations, args.turns, args.max_new_tokens, args.scale_out_conversations)
+        settings = {
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "max_new_tokens": args.max_new_tokens,
+            "scale_out_conversations": args.scale_out_conversations,
+            "machine": sysinfo.machine(),
+        }
     else:
         result = affinity(args.model, args.conversations, args.turns, args.max_new_tokens)
         settings = {"conversations": args.conversations, "turns": args.turns, "max_new_tokens": args.max_new_tokens}
-    record = {"model": args.model.name, "cpus": os.cpu_count(), **settings, "results": result}
+    load = {"load_average_before": load_before, "load_average_after": os.getloadavg()}
+    record = {"model": args.model.name, "cpus": os.cpu_count(), **settings, **load, "results": result}
     print(json.dumps(record, indent=1))
     if args.out:
         merged = json.loads(args.out.read_text()) if args.out.exists() else {}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import grpc_ab, grpc_load, report, tune, workers
+from bench import grpc_ab, grpc_load, replicas, report, tune, workers
 from service.config import parse_args
 from service.core.config import EngineConfig
 from service.core.stats import EngineStats
@@ -162,3 +162,18 @@ def test_speculative_rounds_take_turns_in_alternating_order_and_keep_each_engine
     assert out["replies"]["a"] == [[1, 1], [1, 2], [1, 3]]
     assert out["replies"]["bb"] == [[2, 1], [2, 2], [2, 3]]
     assert all(len(v) == 3 for v in out["rates"].values())
+
+
+def test_history_from_the_store_is_the_end_of_what_was_found():
+    """A prefix is found in RAM first, then on disk, then in the fleet's store: the fetched tokens are the end of
+    the cached ones, and only what falls within the history (the previous turn's prompt) counts."""
+
+    def turn(cached: int, remote: int, history: int = 500) -> replicas.Turn:
+        return replicas.Turn(600, cached, 16, 0.1, history, remote)
+
+    assert replicas.share_of_history([turn(480, 480)], remote_only=True) == pytest.approx(0.96)
+    assert replicas.share_of_history([turn(520, 320)]) == 1.0  # the reply's first tokens are no history
+    assert replicas.share_of_history([turn(520, 320)], remote_only=True) == pytest.approx(0.6)  # 200 from RAM
+    assert replicas.share_of_history([turn(520, 0)], remote_only=True) == 0
+    assert replicas.share_of_history([turn(0, 0), turn(500, 250)]) == pytest.approx(0.5)
+    assert replicas.share_of_history([turn(600, 40)], remote_only=True) == 0  # RAM held the whole history

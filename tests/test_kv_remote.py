@@ -10,11 +10,14 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
+from bench.replicas import Conversation, share_of_history, start_replicas
+from service.client import Client
 from service.core.params import SamplingParams
 from service.engine import Engine, EngineConfig
 from service.metrics import Metrics
 from tests.support.engine import assert_no_blocks_held, collect
 from tests.support.redis_server import RedisServer
+from tests.support.servers import TIMEOUT
 
 GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
 RAM_GB = 0.012  # about 28 blocks of 32 tokens: a few conversations evict each other
@@ -228,7 +231,7 @@ def test_two_servers_share_a_conversation_over_the_http_api(smollm2_ir, store, t
     chat completion on the second, which never saw it, reports the history as fetched and gives the first's reply."""
     import openai
 
-    from tests.support.servers import TIMEOUT, Running, base_config, free_port
+    from tests.support.servers import Running, base_config, free_port
 
     servers = [
         Running(
@@ -264,3 +267,36 @@ def test_two_servers_share_a_conversation_over_the_http_api(smollm2_ir, store, t
     finally:
         for running in servers:
             running.stop()
+
+
+def test_a_conversation_alternating_between_two_replicas_finds_its_history_in_the_store(tiny_qwen3_ir, tmp_path):
+    """Round robin in small form: two `python -m service` replicas sharing one store, a conversation's turns sent
+    to each in turn, so that every returning turn lands on the replica that did not serve the turn before. The
+    replica that never saw the conversation fetches its whole history from the store; back on the first, the
+    part that replica computed itself is in its RAM and the part the other computed comes from the store."""
+    store = RedisServer(tmp_path)
+    replicas = start_replicas(tiny_qwen3_ir, 2, tmp_path, 1, 0.05, "--kv-remote-url", store.url)
+    clients = [Client(r.target, timeout=TIMEOUT) for r in replicas]
+    try:
+        block_size = clients[0].model_info().block_size
+        conversation = Conversation("alternating", None)
+        keys_before = store.client().dbsize()
+        for n in range(4):
+            conversation.turn(clients[n % 2], max_new_tokens=16, timeout=TIMEOUT)
+            # the turn's full blocks are in the store before the next turn goes to the other replica
+            last = conversation.turns[-1]
+            full_blocks = (last.prompt_tokens + last.completion_tokens - 1) // block_size
+            wait_for(lambda need=full_blocks: store.client().dbsize() - keys_before >= need)
+        first, second, third, fourth = conversation.turns
+        assert first.history_tokens == 0 and first.remote_prompt_tokens == 0
+        assert second.history_tokens > 250
+        assert share_of_history([second], remote_only=True) >= 0.9  # the replica that never saw it
+        for t in (third, fourth):
+            assert 0 < t.remote_prompt_tokens < t.cached_prompt_tokens  # its own part from RAM, the rest fetched
+        assert share_of_history(conversation.turns[1:]) >= 0.9
+    finally:
+        for client in clients:
+            client.close()
+        for r in replicas:
+            r.stop()
+        store.stop()
