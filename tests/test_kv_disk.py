@@ -140,6 +140,7 @@ def test_a_restart_finds_the_history_on_disk(tiny_qwen3_fp16_ir, tmp_path, compu
     history_then_stop(tiny_qwen3_fp16_ir, tmp_path)
     engine = make_engine(tiny_qwen3_fp16_ir, tmp_path)
     try:
+        assert engine.stats().disk.num_blocks > 0  # before any step: the tier's figures are there from the start
         out, usage = run(engine, HISTORY)
         assert out == computed and usage.disk_prompt_tokens == 288
         assert engine.stats().disk.num_written == 0  # nothing new: the restored blocks were already stored

@@ -101,6 +101,7 @@ class EngineCore:
             warmup.measure_step_times(self.runner, self.config, self.step_times)
         if self.tiers is not None:
             self.tiers.start()
+            self.book.update()  # the tiers' figures, open, before any step: an idle replica shows them too
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.alive = True
         self._thread.start()
