@@ -12,15 +12,13 @@ then the others, by the last model they need in the order the models are built (
 while the later models are still being converted).
 
 Under pytest-xdist (`make test`: two workers, `--dist loadgroup`) each worker has its own session fixtures (a
-server per worker) and converts in the background too (tests/support/models.py); the tests of a module that
-need a model and share one of its costly module-scoped fixtures (a server or an engine of the module's own,
-or its autouse state) go to one worker together, so that fixture is built once; every other test goes to
-whichever worker is free.
+server per worker) and converts in the background too (tests/support/models.py); tests/support/parallel.py says
+which tests go to one worker together, in this order.
 """
 
 import pytest
 
-from tests.support import models
+from tests.support import models, parallel
 from tests.support.models import (  # noqa: F401 (fixtures)
     BUILDS,
     MODEL_FIXTURES,
@@ -29,6 +27,11 @@ from tests.support.models import (  # noqa: F401 (fixtures)
     tiny_qwen3_hf,
     tiny_qwen3_int4_ir,
     tiny_qwen3_ir,
+)
+from tests.support.parallel import (  # noqa: F401 (hooks)
+    pytest_configure_node,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
 )
 from tests.support.served import (  # noqa: F401 (fixtures)
     limits_server,
@@ -50,55 +53,11 @@ def _phase(item: pytest.Item) -> int:
     return max((BUILD_ORDER.index(name) for name in used), default=len(BUILD_ORDER))
 
 
-def _costly_module_fixtures(item: pytest.Item) -> list[str]:
-    """The module-scoped fixtures in the test's closure that build something of their own from a model (a
-    server, an engine: they ask for a model fixture themselves) or hold the module's state (autouse); not those
-    that only pass on a session server. From pytest's record of the closure: it has no public accessor."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return []
-    found = []
-    for name, defs in info.name2fixturedefs.items():
-        if not defs or defs[-1].scope != "module":
-            continue
-        for_its_effect = name in info.initialnames and name not in info.argnames  # autouse or usefixtures
-        if MODEL_FIXTURES.intersection(defs[-1].argnames) or for_its_effect:
-            found.append(name)
-    return sorted(found)
-
-
-def _shared_groups(items: list[pytest.Item]) -> dict[pytest.Item, str]:
-    """The model tests that share a costly module-scoped fixture, directly or through another test of their
-    module, each under one name: its module and the first such fixture of its group."""
-    parent: dict[tuple[str, str], tuple[str, str]] = {}
-
-    def root(key: tuple[str, str]) -> tuple[str, str]:
-        while parent.setdefault(key, key) != key:
-            key = parent[key]
-        return key
-
-    keyed: dict[pytest.Item, tuple[str, str]] = {}
-    for item in items:
-        if item.get_closest_marker("model") is None:
-            continue
-        module = item.nodeid.split("::", 1)[0]
-        keys = [(module, name) for name in _costly_module_fixtures(item)]
-        if keys:
-            keyed[item] = keys[0]
-            for key in keys:
-                parent[root(key)] = root(keys[0])
-    names: dict[tuple[str, str], str] = {}
-    for key in sorted(parent):  # the first fixture by name names its group
-        names.setdefault(root(key), f"{key[0].rsplit('/', 1)[-1].removesuffix('.py')}:{key[1]}")
-    return {item: names[root(key)] for item, key in keyed.items()}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns xdist_group marks into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
-    groups = _shared_groups(items)
+    groups = parallel.groups(items, MODEL_FIXTURES)
     phase = {item: _phase(item) for item in items}
     for name in set(groups.values()):  # a group runs when its last model is ready
         members = [item for item, group in groups.items() if group == name]
@@ -110,9 +69,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     position = {item: i for i, item in enumerate(items)}
     # stable within a module: its tests keep their order within each phase
     items.sort(key=lambda item: (phase[item], module_order[item.nodeid.split("::", 1)[0]], position[item]))
-    if config.getoption("dist", "no") == "loadgroup":
-        for item, name in groups.items():
-            item.add_marker(pytest.mark.xdist_group(name))
+    parallel.save(config, groups)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
