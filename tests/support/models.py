@@ -7,8 +7,9 @@ so); a fixture waits for its model.
 
 Several processes may build the same models at once (pytest-xdist's workers, or two runs in one checkout):
 each build holds a file lock beside its folder, so one process converts while the others wait, then take the
-CLI's no-op path. A process skips a model another one is converting for one nobody is, so two workers
-convert two models at the same time rather than one after the other."""
+CLI's no-op path. A background thread skips a model another process is converting for one nobody is, so two
+workers convert two models at once; and a test that needs a model its worker's thread has not started (busy
+converting another) builds it itself rather than waiting for that other conversion."""
 
 import threading
 import time
@@ -89,43 +90,64 @@ def stop() -> None:
         _queued.clear()
 
 
+def _lock(name: str) -> FileLock:
+    return FileLock(MODELS / f".{FOLDERS[name]}.lock")
+
+
+def _take(name: str) -> bool:
+    """Takes a queued model off the queue for this thread to build; False if another thread took it first."""
+    with _state:
+        if name not in _queued or not _built[name].set_running_or_notify_cancel():
+            return False
+        _queued.remove(name)
+        return True
+
+
+def _build(name: str, lock: FileLock) -> None:
+    """Builds a taken model, its lock held (released here), into its future."""
+    future = _built[name]
+    try:
+        future.set_result(BUILDS[name](MODELS / FOLDERS[name]))
+    except BaseException as exc:  # the fixture raises it in the test that waits
+        future.set_exception(exc)
+    finally:
+        lock.release()
+
+
 def _build_queued() -> None:
-    while True:
-        claimed = _claim()
-        if claimed is None:
-            return
-        name, lock = claimed
-        future = _built[name]
-        try:
-            future.set_result(BUILDS[name](MODELS / FOLDERS[name]))
-        except BaseException as exc:  # the fixture raises it in the test that waits
-            future.set_exception(exc)
-        finally:
-            lock.release()
-
-
-def _claim() -> tuple[str, FileLock] | None:
-    """The first queued model whose inputs are built and that no other process is building, its lock held;
-    waits while each of them is being built elsewhere. None once the queue is empty (the thread then ends)."""
+    """The background thread: the first queued model whose inputs are built and that no other process is
+    building, then the next; it waits while each of them is being built elsewhere, and ends with the queue."""
     global _builder
     while True:
         with _state:
             if not _queued:
                 _builder = None
-                return None
+                return
             ready = [n for n in _queued if all(_built[need].done() for need in NEEDS.get(n, ()))]
         for name in ready:
-            lock = FileLock(MODELS / f".{FOLDERS[name]}.lock")
+            lock = _lock(name)
             try:
                 lock.acquire(blocking=False)
             except Timeout:
                 continue
-            with _state:
-                if name in _queued and _built[name].set_running_or_notify_cancel():
-                    _queued.remove(name)
-                    return name, lock
+            if _take(name):
+                _build(name, lock)
+                break
             lock.release()
-        time.sleep(0.2)
+        else:
+            time.sleep(0.2)
+
+
+def _build_here(name: str) -> None:
+    """A test needs a model the background thread has not started (it is converting another one): this thread
+    builds it, which is the CLI's no-op path when another process converted it meanwhile (waiting for its lock
+    while that process is still converting)."""
+    lock = _lock(name)
+    lock.acquire()
+    if _take(name):
+        _build(name, lock)
+    else:
+        lock.release()
 
 
 def model(name: str, request: pytest.FixtureRequest) -> Path:
@@ -139,6 +161,7 @@ def model(name: str, request: pytest.FixtureRequest) -> Path:
             raise pytest.UsageError(message)
         warnings.warn(pytest.PytestWarning(message), stacklevel=1)
     start({name})
+    _build_here(name)
     return _built[name].result()
 
 
