@@ -1,9 +1,10 @@
 """Which tests go to one pytest-xdist worker together (`make test`: `-n 2 --dist loadgroup`).
 
-The tests of a module that need a model and share one of its costly module-scoped fixtures (a server or an
-engine of the module's own, or its autouse state) form a group: one worker runs them all, in their order, so
-that fixture is built once and a test that relies on an earlier one's effect on it still finds it. Every other
-test goes alone to whichever worker is free. Session fixtures (the shared servers) are per worker.
+The tests of a module that share one of its costly module-scoped fixtures (what the module builds of its own:
+a server or an engine from a model, a tokenizer, a Redis server, a browser; or its autouse state) form a group:
+one worker runs them all, in their order, so that fixture is built once and a test that relies on an earlier
+one's effect on it still finds it. Every other test goes alone to whichever worker is free. Session fixtures
+(the shared servers) are per worker.
 
 pytest-xdist's own loadgroup scheduling carries a test's group in its node id, which pytest 9.2's node ids no
 longer allow: the groups are dropped without a word and every test is scheduled alone (pytest-xdist issue
@@ -24,25 +25,39 @@ INPUT = "ovserve_test_groups"  # the folder's key in the workers' input
 
 
 def _costly_module_fixtures(item: pytest.Item, models: frozenset[str]) -> list[str]:
-    """The module-scoped fixtures in the test's closure that build something of their own from a model (they ask
-    for one of `models` themselves) or hold the module's state (autouse); not those that only pass on a session
-    server. From pytest's record of the closure: it has no public accessor."""
+    """The module-scoped fixtures in the test's closure that build something of their own: from a model (they ask
+    for one of `models` themselves: a server, an engine), without any (a tokenizer, a Redis server, a browser), or
+    hold the module's state (autouse); not those that only pass on a session server or what one serves. From
+    pytest's record of the closure: it has no public accessor."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return []
+
+    def closure(name: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [name]
+        while todo:
+            current = todo.pop()
+            defs = info.name2fixturedefs.get(current)
+            if defs and current not in seen:
+                seen.add(current)
+                todo.extend(defs[-1].argnames)
+        return seen
+
     found = []
     for name, defs in info.name2fixturedefs.items():
         if not defs or defs[-1].scope != "module":
             continue
         for_its_effect = name in info.initialnames and name not in info.argnames  # autouse or usefixtures
-        if models.intersection(defs[-1].argnames) or for_its_effect:
+        from_a_model = bool(models.intersection(defs[-1].argnames))
+        if for_its_effect or from_a_model or not models.intersection(closure(name)):
             found.append(name)
     return sorted(found)
 
 
 def groups(items: Iterable[pytest.Item], models: frozenset[str]) -> dict[pytest.Item, str]:
-    """The model tests that share a costly module-scoped fixture, directly or through another test of their
-    module, each under one name: its module and the first such fixture of its group."""
+    """The tests that share a costly module-scoped fixture, directly or through another test of their module,
+    each under one name: its module and the first such fixture of its group."""
     parent: dict[tuple[str, str], tuple[str, str]] = {}
 
     def root(key: tuple[str, str]) -> tuple[str, str]:
@@ -52,8 +67,6 @@ def groups(items: Iterable[pytest.Item], models: frozenset[str]) -> dict[pytest.
 
     keyed: dict[pytest.Item, tuple[str, str]] = {}
     for item in items:
-        if item.get_closest_marker("model") is None:
-            continue
         module = item.nodeid.split("::", 1)[0]
         keys = [(module, name) for name in _costly_module_fixtures(item, models)]
         if keys:
