@@ -85,9 +85,9 @@ def save(config: pytest.Config, found: dict[pytest.Item, str]) -> None:
     if folder is None:  # not a worker, or the controller is not scheduling by group
         return
     worker = config.workerinput["workerid"]
-    written = Path(folder) / f".{worker}.json"
-    written.write_text(json.dumps({item.nodeid: name for item, name in found.items()}))
-    written.replace(Path(folder) / f"{worker}.json")  # whole, or not there
+    partial = Path(folder) / f"{worker}.partial"
+    partial.write_text(json.dumps({item.nodeid: name for item, name in found.items()}))
+    partial.replace(Path(folder) / f"{worker}.json")  # whole, or not there
 
 
 def _read(folder: Path) -> dict[str, str]:
