@@ -91,11 +91,10 @@ tools-demo: $(TOOLS_MODEL)/manifest.json
 system-packages:
 	bash scripts/install_debian_packages.sh
 
-# The test targets run on WORKERS processes (pytest-xdist; WORKERS=0 for one): the tests that share a module's
-# own server or engine go to one worker together, the others to whichever is free (tests/support/parallel.py),
-# in the order tests/conftest.py gives them (no model first, then by the last model they need).
+# The test targets run on WORKERS processes (pytest-xdist; WORKERS=0 for one), a test module on one worker
+# (its module fixtures are built once): tests/conftest.py.
 WORKERS ?= 2
-PARALLEL := -n $(WORKERS) --dist loadgroup
+PARALLEL := -n $(WORKERS) --dist loadfile
 
 # Every test, with the 20 slowest in the report (CI runs this).
 test: $(STAMP) system-packages
