@@ -91,17 +91,22 @@ tools-demo: $(TOOLS_MODEL)/manifest.json
 system-packages:
 	bash scripts/install_debian_packages.sh
 
+# The test targets run on WORKERS processes (pytest-xdist; WORKERS=0 for one), a test module on one worker
+# (its module fixtures are built once): tests/conftest.py.
+WORKERS ?= 2
+PARALLEL := -n $(WORKERS) --dist loadfile
+
 # Every test, with the 20 slowest in the report (CI runs this).
 test: $(STAMP) system-packages
-	$(PY) -m pytest -q -ra --durations=20
+	$(PY) -m pytest -q -ra --durations=20 $(PARALLEL)
 
 # Every test but the slow ones (still run by `make test` and CI).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=20
+	$(PY) -m pytest -q -m "not slow" --durations=20 $(PARALLEL)
 
 # No model and no server subprocess, about a minute: tests/conftest.py marks every test that uses a model.
 test-unit: $(STAMP)
-	$(PY) -m pytest -q -m "not model" --durations=10
+	$(PY) -m pytest -q -m "not model" --durations=10 $(PARALLEL)
 
 # Style, then the import layers declared in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
@@ -235,4 +240,4 @@ bench-fleet-routing: $(STAMP) $(MODEL)/manifest.json system-packages
 	$(PY) -m bench.replicas fleet --model $(MODEL) --out bench/results-replicas/fleet.json
 
 clean:
-	rm -rf $(VENV) models/*/ .pytest_cache
+	rm -rf $(VENV) models/*/ models/.*.lock .pytest_cache

@@ -7,6 +7,10 @@ beside the integration tests of the same subject, and a new test that takes a mo
 itself.
 
 The tests that need no model run first, while the models the others need are converted in the background.
+
+`make test` runs on two pytest-xdist workers with `--dist loadfile`: a test module stays on one worker, so its
+module fixtures (a server, an engine) are built once; each worker has its own session fixtures and converts
+in the background too, one process at a time per model (tests/support/models.py).
 """
 
 import pytest
