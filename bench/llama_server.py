@@ -76,11 +76,13 @@ def q8_0(src: Path, threads: int) -> Path:
     if quantize is None:
         raise FileNotFoundError("llama-quantize is not built: python -m bench.llama_server build")
     partial = dst.with_suffix(".partial")
-    subprocess.run(
+    done = subprocess.run(
         [str(quantize), "--allow-requantize", str(src), str(partial), "Q8_0", str(threads)],
-        check=True,
-        stdout=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
     )
+    if done.returncode != 0:  # its log is a line per tensor: only the end says why
+        raise RuntimeError(f"llama-quantize failed ({done.returncode}): {done.stderr[-2000:]}")
     partial.rename(dst)
     return dst
 
