@@ -353,6 +353,28 @@ def test_each_requests_rows_are_priced_after_those_chosen_before_it():
     assert policy.speculates(8) and not policy.speculates(9)  # more running requests than max_sequences: none
 
 
+def test_drafts_kept_less_often_than_their_records_promise_scale_every_promise_down():
+    """The records promise a request that copies about 4 of 5 drafts; verification keeps 1 of each 5 offered:
+    the policy scales the promised gains by what was kept against what was expected, and stops the drafts that
+    only paid at the promised rate. It never scales a promise up."""
+    table = StepTimes()
+    table.set({4: 0.0189, 5: 0.0234, 6: 0.0247, 7: 0.0289, 8: 0.0352, 9: 0.0352})  # 4 rows: measured on 2 cores
+    policy = DraftPolicy(8, table)
+    copying = runs_of(*[4] * 10)
+    step = StepLoad(4, 4, 4)
+    first = policy.choose([(copying, 5)], step)[0]
+    assert first > 0 and policy.calibration() == 1.0
+    policy.verified(copying, first, first)  # kept all: still 1, never above
+    assert policy.calibration() == 1.0
+    for _ in range(60):
+        k = policy.choose([(copying, 5)], step)[0] or 5
+        policy.verified(copying, k, 1)
+    assert policy.calibration() < 0.5
+    assert policy.choose([(copying, 5)], step) == [0]
+    policy.verified(DraftStats(), 3, 3)  # drafts the policy did not offer (none chosen through it): ignored
+    assert policy.calibration() < 0.5
+
+
 def test_a_step_keeps_its_rows_unless_a_change_pays():
     """A step of other rows than the one before costs a change of shape: a request takes a number of drafts that
     changes them only when what the switch saves over HORIZON steps exceeds two changes (drafts come and go with

@@ -221,6 +221,7 @@ class Scheduler:
                 # computed: the fed token and the accepted drafts; the positions of rejected ones are
                 # recomputed, and blocks past the new length are given back
                 accepted = len(runs[request]) - 1
+                self.policy.verified(request.draft_stats, len(chunk.drafts), accepted)
                 self.num_draft_tokens += len(chunk.drafts)
                 self.num_accepted_tokens += accepted
                 self.num_verify_steps += 1

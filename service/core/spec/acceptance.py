@@ -75,6 +75,8 @@ class DraftStats:
     by_kind: dict[int, Runs] = field(default_factory=dict)
     latest: Guess | None = None  # None: drafts judged by kind 0, at any length
     watched: tuple[int, Guess] | None = None  # (position, guess): the guess being checked
+    # expected_tokens_up_to when the policy last gave it drafts: what their verification is compared with
+    offered: list[float] | None = None
 
     def watch(self, position: int, guess: Guess) -> None:
         """guess is the proposer's latest, for the tokens from position on: drafts are judged by it now, and it

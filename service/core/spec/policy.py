@@ -3,9 +3,11 @@
 A request's k drafts add k rows to the step and are expected to add E(k) - 1 tokens (DraftStats). Drafts are
 nearly free in a small step, which is bound by reading the weights, and must be likely to be kept in a large
 one, which is bound by compute: each request in turn takes the k that gives the step the most tokens per
-second, its drafts' rows priced by the table (StepTimes) at the step's rows so far. A step of other rows than
-the one before costs the CPU plugin a change of shape (StepTimes.change_seconds), so a lone request keeps the last
-step's rows unless the better numbers pay for that (choose). docs/SPECULATIVE.md has the measurements.
+second, its drafts' rows priced by the table (StepTimes) at the step's rows so far, their expected gain scaled
+by what drafts kept lately against what they were expected to keep (DraftPolicy.calibration). A step of other
+rows than the one before costs the CPU plugin a change of shape (StepTimes.change_seconds), so a lone request
+keeps the last step's rows unless the better numbers pay for that (choose). docs/SPECULATIVE.md has the
+measurements.
 """
 
 from __future__ import annotations
@@ -89,14 +91,20 @@ Candidate = tuple[DraftStats, int]  # a decoding request that may take drafts: w
 
 class DraftPolicy:
     """Decides the drafts of each step's decoding requests. Owned by the scheduler, which asks it whether a step
-    speculates at all (speculates), gives each request its DraftStats (new_stats) and asks for the numbers
-    (choose)."""
+    speculates at all (speculates), gives each request its DraftStats (new_stats), asks for the numbers (choose)
+    and tells it what verification kept (verified).
+
+    The gains a request's guesses promise are scaled by what drafts actually kept lately against what was
+    expected of them (calibration): drafts go to the guesses whose records look best, so they are kept less
+    often than their records say (docs/SPECULATIVE.md, "Calibration")."""
 
     # A change of shape pays when the better numbers' gain over HORIZON steps exceeds CHANGES changes (drafts come
     # and go, so a step that grows for them shrinks again before long), or once the steps kept in the shape have
     # given up as much (regret: rent or buy)
     HORIZON = 4
     CHANGES = 2
+    # each verified request's drafts weigh this much of the next one's in the calibration
+    CALIBRATION_DECAY = 0.98
 
     def __init__(self, max_sequences: int, times: StepTimes | None = None) -> None:
         self.max_sequences = max_sequences
@@ -104,6 +112,22 @@ class DraftPolicy:
         self.record = GuessRecord()  # what guesses of each kind earned across requests: their prior
         self.last: tuple[int, int] | None = None  # the last decoding step chosen: (sequences, tokens with drafts)
         self.regret = 0.0  # what keeping its rows has given up since drafts last changed them (seconds)
+        self.expected_kept = 1.0  # drafts expected to be kept, decayed (from 1: no correction before evidence)
+        self.kept = 1.0  # drafts kept, decayed alike
+
+    def calibration(self) -> float:
+        """Drafts kept over drafts expected to be kept, lately; at most 1 (never more drafts than the records
+        promise)."""
+        return min(1.0, self.kept / self.expected_kept)
+
+    def verified(self, stats: DraftStats, num_drafts: int, kept: int) -> None:
+        """A request's step verified num_drafts drafts and kept `kept` of them."""
+        if stats.offered is None or num_drafts == 0:
+            return
+        expected = stats.offered[min(num_drafts, len(stats.offered) - 1)] - 1
+        self.expected_kept = self.CALIBRATION_DECAY * self.expected_kept + expected
+        self.kept = self.CALIBRATION_DECAY * self.kept + kept
+        stats.offered = None
 
     def new_stats(self) -> DraftStats:
         return DraftStats(self.record)
@@ -118,7 +142,11 @@ class DraftPolicy:
         the step the most expected tokens per second, its rows priced after the rows chosen before it. Where
         those numbers change the rows of the last step of a lone decoding request, the step takes the numbers
         that keep them instead, unless the change pays (HORIZON, CHANGES, regret)."""
-        expected = [stats.expected_tokens_up_to(limit) for stats, limit in candidates]
+        scale = self.calibration()
+        expected = []
+        for stats, limit in candidates:
+            stats.offered = stats.expected_tokens_up_to(limit)
+            expected.append([1 + scale * (e - 1) for e in stats.offered])
         best, best_rate, best_seconds = self._in_turn(expected, step)
         tokens = step.tokens + sum(best)
         # rows are kept for a lone decoding request only: a step with a prompt piece takes the piece's shape anyway,
