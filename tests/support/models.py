@@ -49,8 +49,7 @@ FOLDERS = {
     "tiny_qwen3_int4_ir": "test-tiny-qwen3-int4",
 }
 TINY_HF = str(MODELS / FOLDERS["tiny_qwen3_hf"])
-# In the order the tests first need them (conftest runs the tests by the last model they need in this order);
-# the tiny checkpoint before its conversions.
+# In the order the tests (alphabetical modules) first need them; the tiny checkpoint before its conversions.
 BUILDS: dict[str, Callable[[Path], Path]] = {
     "tiny_qwen3_hf": _synthetic,
     "tiny_qwen3_ir": lambda out: _converted(out, TINY_HF),

@@ -124,8 +124,9 @@ class DraftPolicy:
         return min(1.0, max(self.CALIBRATION_FLOOR, self.kept / self.expected_kept))
 
     def verified(self, stats: DraftStats, num_drafts: int, kept: int) -> None:
-        """A request's step verified num_drafts drafts and kept `kept` of them."""
-        if stats.offered is None or num_drafts == 0:
+        """A request's step verified num_drafts drafts and kept `kept` of them (drafts the policy did not offer
+        through choose are not counted)."""
+        if stats.offered is None:
             return
         expected = stats.offered[min(num_drafts, len(stats.offered) - 1)] - 1
         self.expected_kept = self.CALIBRATION_DECAY * self.expected_kept + expected
