@@ -146,17 +146,22 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-class PeakRss:
-    """The peak of tree_rss(pid), sampled every second on a thread, while in a `with` block."""
+def trees_rss(pids: list[int]) -> int:
+    return sum(tree_rss(pid) for pid in pids)
 
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak = pid, 0
+
+class PeakRss:
+    """The peak of the process trees' summed resident bytes, sampled every second on a thread, while in a `with`
+    block."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.peak = pids, 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
 
     def sample(self) -> None:
         while True:
-            self.peak = max(self.peak, tree_rss(self.pid))
+            self.peak = max(self.peak, trees_rss(self.pids))
             if self.stop.wait(1.0):
                 return
 
@@ -167,7 +172,7 @@ class PeakRss:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join()
-        self.peak = max(self.peak, tree_rss(self.pid))
+        self.peak = max(self.peak, trees_rss(self.pids))
 
 
 @dataclass
@@ -182,6 +187,22 @@ class System:
     disk_tier: bool = False  # ovserve: the prefix cache's disk tier, in a folder of its own
     gguf: str | None = None
     precision: str | None = None
+    replicas: int = 1  # ovserve: this many replicas behind the project's HAProxy recipe, sharing the cores
+
+
+def behind_haproxy(system: System, count: int) -> System:
+    """The same ovserve settings as `count` replicas behind HAProxy (deploy/lb.py: a session's turns hashed to
+    one replica by x-session-id), with the cores and the KV budget split between them."""
+    return System(
+        f"{system.name} x{count}",
+        system.kind,
+        f"{system.settings}; {count} replicas of 1 inference thread and {KV_CACHE_GB / count:.2f} GiB of KV cache "
+        f"each, on the same {THREADS} cores, behind HAProxy with session hashing",
+        system.args,
+        session_header=True,
+        disk_tier=system.disk_tier,
+        replicas=count,
+    )
 
 
 def systems(model: Path, quick: bool, with_llama: bool) -> list[System]:
@@ -252,13 +273,20 @@ class Served:
         self.system = system
         self.log = work / f"{system.name.replace(' ', '-')}.log"
         self.port = replicas.free_port()
-        self.replica: replicas.Replica | None = None
+        self.replicas: list[replicas.Replica] = []
+        self.balancer: replicas.HAProxy | None = None
         if system.kind == "ovserve":
-            args = list(system.args)
-            if system.disk_tier:
-                args += ["--kv-disk-dir", str(work / f"kv-disk-{self.log.stem}")]
-            self.replica = replicas.Replica(model, self.log, THREADS, KV_CACHE_GB, *args, http_port=self.port)
-            self.proc = self.replica.proc
+            count = system.replicas
+            for i in range(count):
+                args = list(system.args)
+                name = self.log.stem if count == 1 else f"{self.log.stem}-{i}"
+                if system.disk_tier:
+                    args += ["--kv-disk-dir", str(work / f"kv-disk-{name}")]
+                threads, kv_gb = (THREADS, KV_CACHE_GB) if count == 1 else (1, KV_CACHE_GB / count)
+                log = self.log if count == 1 else work / f"{name}.log"
+                port = self.port if count == 1 else 0
+                self.replicas.append(replicas.Replica(model, log, threads, kv_gb, *args, http_port=port))
+            self.proc = self.replicas[0].proc
             return
         if system.kind == "genai":
             command = [
@@ -291,9 +319,21 @@ class Served:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pids(self) -> list[int]:
+        """The processes whose memory counts: the server, or every replica (HAProxy's few MB left out)."""
+        return [r.proc.pid for r in self.replicas] or [self.proc.pid]
+
     def wait(self, timeout: float = 300) -> None:
-        if self.replica is not None:
-            self.replica.wait_serving(timeout)
+        if self.replicas:
+            for r in self.replicas:
+                r.wait_serving(timeout)
+            if len(self.replicas) > 1:  # HAProxy starts its servers up: they already serve
+                lb_dir = self.log.parent / f"haproxy-{self.log.stem}"
+                lb_dir.mkdir(exist_ok=True)
+                pool = replicas.local_pool(self.replicas, log_requests=False)
+                self.balancer = replicas.HAProxy(pool, lb_dir)
+                self.port = int(self.balancer.http_url.rsplit(":", 1)[1])
             return
         import httpx
 
@@ -316,13 +356,16 @@ class Served:
         raise TimeoutError(f"{self.system.name} not serving after {timeout} s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        if self.balancer is not None:
+            self.balancer.stop()
+        for proc in [r.proc for r in self.replicas] or [self.proc]:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(30)
 
 
 # -- one level -----------------------------------------------------------------------------------------------
@@ -345,7 +388,7 @@ FULL = Plan([1, 2, 4, 8, 16, 32, 64], True, 180, 30, 8.0, 1, True, min_turns=20)
 
 def measure(
     url: str,
-    pid: int | None,
+    pids: list[int] | None,
     workload: Workload,
     users: int,
     plan: Plan,
@@ -363,11 +406,11 @@ def measure(
             await client.close()
 
     t0 = time.perf_counter()
-    if pid is None:
+    if not pids:
         turns = as_dicts(asyncio.run(go()))
         peak = None
     else:
-        with PeakRss(pid) as rss:
+        with PeakRss(pids) as rss:
             turns = as_dicts(asyncio.run(go()))
         peak = rss.peak
     summary = summarize(turns, time.perf_counter() - t0, plan.targets)
@@ -415,7 +458,7 @@ def sweep(chosen: list[System], model: Path, plan: Plan, workload: Workload, wor
                 "model_id": model_id,
                 "prediction": prediction,
                 "levels": [],
-                "idle_rss_bytes": tree_rss(servers[s.name].proc.pid),
+                "idle_rss_bytes": trees_rss(servers[s.name].pids),
             }
             log(f"{s.name}: serving; prediction {prediction}")
         searches = {s.name: Search(plan.ladder, plan.refine) for s in chosen}
@@ -429,7 +472,7 @@ def sweep(chosen: list[System], model: Path, plan: Plan, workload: Workload, wor
                 send_prediction = plan.prediction and results[s.name]["prediction"] != "refused"
                 level = measure(
                     servers[s.name].url,
-                    servers[s.name].proc.pid,
+                    servers[s.name].pids,
                     workload,
                     users,
                     plan,
@@ -472,6 +515,13 @@ def token_counter(model: Path):
     return lambda text: len(tok.encode(text, add_special_tokens=False))
 
 
+def span(text: str) -> tuple[int, int]:
+    low, high = (int(x) for x in text.split(","))
+    if not 0 < low <= high:
+        raise SystemExit(f"a range is LOW,HIGH with 0 < LOW <= HIGH, not {text}")
+    return low, high
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-int8")
@@ -489,6 +539,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paste-ttft", type=float, default=TARGETS.paste_ttft_s, help="the same, pasting turns (s)")
     p.add_argument("--pace", type=float, default=TARGETS.tpot_s, help="p95 time per output token target (s)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="also run each chosen ovserve system as this many replicas behind HAProxy on the same cores",
+    )
+    p.add_argument("--documents", help="pasted documents' length range in tokens, LOW,HIGH (default 500,1500)")
+    p.add_argument("--replies", help="replies' length range in tokens, LOW,HIGH (default 100,300)")
     p.add_argument("--no-prediction", action="store_true", help="edit turns carry no `prediction`")
     p.add_argument("--no-llama", action="store_true", help="leave llama-server out")
     p.add_argument("--build-llama", action="store_true", help="build llama-server first if missing (~12 min)")
@@ -521,7 +579,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.systems:
         names = a.systems.split(",")
         chosen = [s for s in chosen if s.name in names]
-    workload = Workload(plan.seed, token_counter(a.model), plan.think_s)
+    if a.replicas > 1:
+        chosen = [x for s in chosen for x in ([s, behind_haproxy(s, a.replicas)] if s.kind == "ovserve" else [s])]
+    sizes = {}
+    if a.documents:
+        sizes["document_tokens"] = span(a.documents)
+    if a.replies:
+        sizes["reply_tokens"] = span(a.replies)
+    workload = Workload(plan.seed, token_counter(a.model), plan.think_s, **sizes)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print(
         f"capacity: {', '.join(s.name for s in chosen)}; ladder {plan.ladder}; {plan.duration_s:.0f} s a level",
@@ -543,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": a.quick,
         "note": a.note,
         "plan": asdict(plan),
+        "workload": {"document_tokens": workload.document_tokens, "reply_tokens": workload.reply_tokens},
         "threads": THREADS,
         "kv_cache_gb": KV_CACHE_GB,
         "llama_context": LLAMA_CONTEXT,

@@ -121,6 +121,7 @@ def write(results: dict, out: Path) -> None:
     plots = plot(results, out)
     m, v, plan = results["machine"], results["versions"], results["plan"]
     t = plan["targets"]
+    sizes = results.get("workload", {})  # runs before 2026-12-07 used the defaults
     lines = [
         "# Writing-assistant users carried at a latency target (`python -m bench.capacity`)",
         "",
@@ -128,7 +129,9 @@ def write(results: dict, out: Path) -> None:
         f"{results['started']} to {results['finished']}; {m['cpu_model']}, {m['usable_cpus']} usable CPUs, CPU flags "
         f"{' '.join(m['isa_flags'])}; {results['threads']} inference threads each; openvino {v.get('openvino')}, "
         f"openvino-genai {v.get('openvino-genai')}; llama-server {results['llama_server']}.",
-        f"Model: {results['model']} (SmolLM2-135M: our int8 IR for ovserve and genai, its GGUF for llama-server). "
+        f"Model: {results['model']} (our IR for ovserve and genai; llama-server runs the GGUF named below). "
+        f"Sessions paste documents of {'-'.join(map(str, sizes.get('document_tokens', (500, 1500))))} tokens, "
+        f"replies of {'-'.join(map(str, sizes.get('reply_tokens', (100, 300))))} tokens. "
         f"{'Quick set' if results['quick'] else 'Full sweep'}: levels {plan['ladder']}"
         f"{' refined by halving' if plan['refine'] else ''}, {plan['duration_s']:.0f} s each, users arriving over "
         f"{plan['ramp_s']:.0f} s, think time {plan['think_s']:g} s on average, seed {plan['seed']}, `prediction` "

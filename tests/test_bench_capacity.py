@@ -4,6 +4,7 @@ level against our server on SmolLM2 through the benchmark's own HTTP client."""
 import asyncio
 import random
 import re
+import shutil
 import time
 
 import pytest
@@ -227,7 +228,7 @@ def test_genai_behind_the_same_client(smollm2_ir, tmp_path):
         model, prediction = capacity.prepare(served.url, workload)
         assert prediction == "ignored"
         plan = capacity.Plan([1], False, duration_s=2.0, ramp_s=0.0, think_s=0.2, seed=2, prediction=True)
-        level = capacity.measure(served.url, served.proc.pid, workload, 1, plan, True, False, model)
+        level = capacity.measure(served.url, served.pids, workload, 1, plan, True, False, model)
     finally:
         served.stop()
     turns = level["turns"]
@@ -236,3 +237,40 @@ def test_genai_behind_the_same_client(smollm2_ir, tmp_path):
         assert t["ttft_s"] > 0 and t["prompt_tokens"] > 0 and 6 <= t["completion_tokens"] <= 12
         assert t["cached_tokens"] is None  # the pipeline does not say what it reused
     assert level["peak_rss_bytes"] > 100e6
+
+
+@pytest.mark.slow  # two replicas and HAProxy
+def test_replicas_behind_haproxy_keep_a_session_on_one_replica(smollm2_ir, tmp_path):
+    """The replicas variant of a system: two replicas behind the project's HAProxy recipe, the cores and KV
+    budget split between them; a session's later turns find their history cached (hashed to one replica),
+    and memory counts every replica."""
+    pytest.importorskip("psutil")
+    if shutil.which("haproxy") is None:
+        pytest.skip("haproxy is not installed (make system-packages)")
+    workload = Workload(3, capacity.token_counter(smollm2_ir), 0.1, document_tokens=(40, 80), reply_tokens=(6, 8))
+    plain = capacity.System("ovserve plain", "ovserve", "test")
+    system = capacity.behind_haproxy(plain, 2)
+    assert system.name == "ovserve plain x2" and system.session_header and "2 replicas" in system.settings
+    served = capacity.Served(system, smollm2_ir, tmp_path, slots=2)
+    try:
+        served.wait(300)
+        assert len(served.pids) == 2 and served.balancer is not None
+        model, _ = capacity.prepare(served.url, workload)
+        plan = capacity.Plan([2], False, duration_s=4.0, ramp_s=0.0, think_s=0.1, seed=3, prediction=False)
+        level = capacity.measure(served.url, served.pids, workload, 2, plan, False, True, model)
+    finally:
+        served.stop()
+    turns = level["turns"]
+    assert turns and all(t["status"] == "ok" for t in turns), [t["status"] for t in turns]
+    # a session's later turn found its history (the previous turn's prompt, up to a block) on the replica it
+    # went to: with round robin, every other turn would find only the system prompt there
+    previous: dict[str, int] = {}
+    followed = 0
+    for t in turns:
+        if t["session"] in previous:
+            assert t["cached_tokens"] >= previous[t["session"]] - 32, t
+            followed += 1
+        previous[t["session"]] = t["prompt_tokens"]
+    assert followed
+    assert level["peak_rss_bytes"] > 2 * 100e6
+    assert all(p.poll() is not None for p in [r.proc for r in served.replicas])
