@@ -61,16 +61,22 @@ TARGETS = Targets()
 # -- the search ----------------------------------------------------------------------------------------------
 class Search:
     """Users to try next for one system: up the ladder until a level is missed, then (refine) halving the gap
-    between the last level carried and the first missed until they are neighbours."""
+    between the last level carried and the first missed until they are neighbours. With `every`, every level
+    of the ladder runs, missed or not (latency curves to compare past a miss); the capacity is still the largest
+    level below the first one missed."""
 
-    def __init__(self, ladder: list[int], refine: bool) -> None:
+    def __init__(self, ladder: list[int], refine: bool, every: bool = False) -> None:
         self.ladder = sorted(set(ladder))
         self.refine = refine
+        self.every = every
         self.carried = 0  # the largest level carried so far
         self.missed: int | None = None  # the smallest level missed so far
         self.tried: list[tuple[int, bool]] = []
 
     def next(self) -> int | None:
+        if self.every:
+            left = [n for n in self.ladder if n not in {users for users, _ in self.tried}]
+            return left[0] if left else None
         if self.missed is None:
             higher = [n for n in self.ladder if n > self.carried]
             return higher[0] if higher else None
@@ -80,7 +86,7 @@ class Search:
 
     def record(self, users: int, carried: bool) -> None:
         self.tried.append((users, carried))
-        if carried:
+        if carried and (self.missed is None or users < self.missed):
             self.carried = max(self.carried, users)
         else:
             self.missed = users if self.missed is None else min(self.missed, users)
@@ -380,6 +386,7 @@ class Plan:
     prediction: bool
     targets: Targets = TARGETS
     min_turns: int = 0  # a level runs on past its duration (up to 3x) until this many turns are measured
+    every_level: bool = False  # run every level of the ladder, not only up to the first missed
 
 
 QUICK = Plan([1, 2, 4, 8], False, 30, 6, 3.0, 1, True, min_turns=8)
@@ -461,7 +468,7 @@ def sweep(chosen: list[System], model: Path, plan: Plan, workload: Workload, wor
                 "idle_rss_bytes": trees_rss(servers[s.name].pids),
             }
             log(f"{s.name}: serving; prediction {prediction}")
-        searches = {s.name: Search(plan.ladder, plan.refine) for s in chosen}
+        searches = {s.name: Search(plan.ladder, plan.refine, plan.every_level) for s in chosen}
         round_no = 0
         while any(search.next() is not None for search in searches.values()):
             order = chosen if round_no % 2 == 0 else chosen[::-1]
@@ -539,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paste-ttft", type=float, default=TARGETS.paste_ttft_s, help="the same, pasting turns (s)")
     p.add_argument("--pace", type=float, default=TARGETS.tpot_s, help="p95 time per output token target (s)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--every-level", action="store_true", help="run every level of the ladder, past a missed one")
     p.add_argument(
         "--replicas",
         type=int,
@@ -571,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         not a.no_prediction,
         Targets(a.ttft, a.paste_ttft, a.pace),
         plan.min_turns if a.min_turns is None else a.min_turns,
+        a.every_level,
     )
     if a.build_llama and not a.no_llama:
         llama_server.build()

@@ -129,6 +129,12 @@ def test_search_capacity_is_zero_when_one_user_is_too_many_and_the_top_when_all_
     assert walk(every, lambda n: True) == [1, 2, 4] and every.capacity == 4
 
 
+def test_search_with_every_level_runs_the_whole_ladder_and_counts_only_below_the_first_miss():
+    search = capacity.Search([1, 2, 4, 8], refine=True, every=True)
+    assert walk(search, lambda n: n != 2) == [1, 2, 4, 8]  # no refining; 4 and 8 carried above a miss
+    assert search.capacity == 1
+
+
 def turn(kind="edit", ttft=0.5, tpot=0.05, warmup=False, status="ok", cached=None):
     return {
         "kind": kind, "status": status, "warmup": warmup, "ttft_s": ttft, "tpot_s": tpot, "gaps_s": [tpot],
