@@ -330,7 +330,7 @@ class Served:
         """The processes whose memory counts: the server, or every replica (HAProxy's few MB left out)."""
         return [r.proc.pid for r in self.replicas] or [self.proc.pid]
 
-    def wait(self, timeout: float = 300) -> None:
+    def wait(self, timeout: float = 1200) -> None:  # the Qwen3-4B shape warms up for minutes beside the others
         if self.replicas:
             for r in self.replicas:
                 r.wait_serving(timeout)
