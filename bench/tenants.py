@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,8 +45,9 @@ class Server:
     def __init__(self, model: str, mode: str, folder: Path) -> None:
         keys = folder / "keys"
         keys.write_text("".join(f"{tenant} {key}\n" for tenant, key in KEYS.items()))
-        self.port = free_port()
-        args = [sys.executable, "-m", "service", "--model", model, "--port", "0", "--metrics-port", "0"]
+        self.port, self.metrics_port = free_port(), free_port()
+        args = [sys.executable, "-m", "service", "--model", model, "--port", "0"]
+        args += ["--metrics-port", str(self.metrics_port)]
         args += ["--http-port", str(self.port), "--api-keys-file", str(keys), "--drain-delay-seconds", "0"]
         self.log = open(folder / f"server-{mode}.log", "w")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(args + MODES[mode], stdout=self.log, stderr=subprocess.STDOUT)
@@ -84,6 +86,33 @@ async def first_token(client, port: int, tenant: str, prompt: str, max_tokens: i
     return first
 
 
+SERVER_SIDE = {"ttft": "ovserve_time_to_first_token_seconds", "queue": "ovserve_queue_time_seconds"}
+
+
+async def server_side(client, metrics_port: int) -> dict[str, tuple[float, float]]:
+    """The light tenant's histograms so far, (sum, count) each: time to first token as the server measures it
+    (from the call's start in the front to its first output) and time queued before the first step."""
+    text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+    out = {}
+    for name, metric in SERVER_SIDE.items():
+        found = [
+            float(m.group(1))
+            for part in ("sum", "count")
+            if (m := re.search(rf'^{metric}_{part}{{tenant="light"}} (\S+)$', text, re.M))
+        ]
+        out[name] = (found[0], found[1]) if len(found) == 2 else (0.0, 0.0)
+    return out
+
+
+def means(before: dict, after: dict) -> dict[str, float | None]:
+    """Each histogram's mean over the requests observed between two scrapes."""
+    out: dict[str, float | None] = {}
+    for name in SERVER_SIDE:
+        count = after[name][1] - before[name][1]
+        out[name] = (after[name][0] - before[name][0]) / count if count else None
+    return out
+
+
 async def light_requests(client, port: int, count: int, max_tokens: int, tag: str, until=None) -> list[float]:
     """One light request a second (count of them, or until `until` is done); their times to first token."""
     tasks = []
@@ -103,7 +132,9 @@ async def run_mode(model: str, mode: str, args: argparse.Namespace, folder: Path
         async with httpx.AsyncClient(limits=limits, timeout=900) as client:
             await server.ready(client)
             await light_requests(client, server.port, 2, args.light_max_tokens, f"{mode} warm-up")
+            scraped = [await server_side(client, server.metrics_port)]
             idle = await light_requests(client, server.port, args.light_requests, args.light_max_tokens, f"{mode} idle")
+            scraped.append(await server_side(client, server.metrics_port))
             started = time.perf_counter()
             prompts = [f"[{mode} flood {i}] Tell a long story about a lighthouse keeper." for i in range(args.flood)]
             flood = asyncio.gather(
@@ -115,6 +146,7 @@ async def run_mode(model: str, mode: str, args: argparse.Namespace, folder: Path
             )
             flood_ttft = [t for t in await flood if t is not None]
             flood_seconds = time.perf_counter() - started
+            scraped.append(await server_side(client, server.metrics_port))
     finally:
         server.stop()
     return {
@@ -129,22 +161,37 @@ async def run_mode(model: str, mode: str, args: argparse.Namespace, folder: Path
         "flood_served": len(flood_ttft),
         "flood_seconds": flood_seconds,
         "flood_median_ttft": median(flood_ttft) if flood_ttft else None,
+        # the light tenant's means as the server measured them: idle, then during the flood
+        "server_idle": means(scraped[0], scraped[1]),
+        "server_loaded": means(scraped[1], scraped[2]),
     }
 
 
 def report(results: list[dict]) -> str:
     lines = [
-        "| mode | light TTFT idle (median) | during the flood (median / worst) | ratio (median / worst) | flood |",
-        "|---|---|---|---|---|",
+        "| mode | light TTFT idle (median) | during the flood (median / worst) | ratio (median / worst) | flood | "
+        "server-side means, idle / flood: first token; queued |",
+        "|---|---|---|---|---|---|",
     ]
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.0f}"
+
     for r in results:
+        idle, loaded = r.get("server_idle") or {}, r.get("server_loaded") or {}
+        server = (
+            f"{ms(idle.get('ttft'))} / {ms(loaded.get('ttft'))} ms; {ms(idle.get('queue'))} / "
+            f"{ms(loaded.get('queue'))} ms"
+        )
         if r["loaded_median"] is None:
-            lines.append(f"| {r['mode']} | {r['idle_median'] * 1000:.0f} ms | no light request during the flood | | |")
+            lines.append(
+                f"| {r['mode']} | {r['idle_median'] * 1000:.0f} ms | no light request during the flood | | | {server} |"
+            )
             continue
         lines.append(
             f"| {r['mode']} | {r['idle_median'] * 1000:.0f} ms | {r['loaded_median'] * 1000:.0f} / "
             f"{r['loaded_worst'] * 1000:.0f} ms ({len(r['loaded_ttft'])} requests) | {r['ratio_median']:.2f}x / "
-            f"{r['ratio_worst']:.2f}x | {r['flood_served']} served in {r['flood_seconds']:.1f} s |"
+            f"{r['ratio_worst']:.2f}x | {r['flood_served']} served in {r['flood_seconds']:.1f} s | {server} |"
         )
     return "\n".join(lines)
 

@@ -142,21 +142,6 @@ def test_a_tenant_under_its_share_takes_a_place_from_the_flood():
     assert [r.tenant for r in s.running] == ["flood"] * 4 and s.num_preemptions == 1
 
 
-def test_a_tenant_with_nothing_running_starts_in_a_step_of_its_own():
-    s, flood, light = flooded()
-    plan = step(s)
-    assert [c.request for c in plan.chunks] == [light]  # the flood's decoding rows wait one step
-    plan = step(s)  # then the light request decodes beside the flood
-    assert light in [c.request for c in plan.chunks] and {c.request.tenant for c in plan.chunks} == {"flood", "light"}
-    s.add(request("flood", max_new_tokens=2))  # a tenant already running gets no step of its own
-    assert len(step(s).chunks) > 1
-
-
-def test_no_step_of_its_own_without_fairness():
-    s, _, light = flooded(fair=False)
-    assert light not in [c.request for c in step(s).chunks]
-
-
 def test_no_place_is_taken_without_fairness():
     s, _, light = flooded(fair=False)
     for _ in range(5):

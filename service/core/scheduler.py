@@ -10,8 +10,7 @@ run out the newest running request is preempted: its blocks are freed and it is 
 (mostly from the prefix cache). A waiting request whose tenant runs fewer requests than its share of
 max_num_seqs (by weight, among the tenants with work) takes the place of the newest running request of the
 tenant furthest over its share when there is no free place for it: one tenant's burst cannot hold every
-place while another's request waits, and the first request of a tenant that has nothing running starts in a
-step of its own, not beside another tenant's flood.
+place while another's request waits.
 
 With a disk tier, a waiting request's prefix chain continues past its RAM hit into the disk, and with a
 remote tier past the disk into the fleet's store (tried rather than known: the fetch finds out how far the
@@ -261,8 +260,6 @@ class Scheduler:
         """The next step."""
         plan = StepPlan()
         self._drop_expired(plan)
-        if self._newcomer_alone(plan):
-            return plan
         budget = self.max_num_batched_tokens
         speculate = self.speculative_tokens > 0 and self.policy.speculates(len(self.running))
         chosen_drafts = self._plan_drafts(budget) if speculate else {}
@@ -300,21 +297,6 @@ class Scheduler:
             self._admit_waiting(budget, plan)
         return plan
 
-    def _newcomer_alone(self, plan: StepPlan) -> bool:
-        """Whether the next request in line starts in a step of its own: with fair admission, when its tenant
-        has nothing running while other tenants do. Its first piece then neither rides with nor waits behind
-        another tenant's flood of decoding rows, which makes a step several times as long on a CPU
-        (docs/BENCH.md, "Tenants that cannot starve each other"). The running requests wait one short step,
-        once per request of a tenant that had nothing running."""
-        if not (self.waiting.fair and self.waiting and self.running):
-            return False
-        newcomer = next(iter(self.waiting))
-        busy = {r.tenant for r in self.running} | {load.request.tenant for load in self.loading.values()}
-        if newcomer.tenant in busy:
-            return False
-        self._admit_waiting(self.max_num_batched_tokens, plan, only=newcomer)
-        return bool(plan.chunks)
-
     @staticmethod
     def _piece(request: Request, start: int, budget: int) -> int:
         """How many tokens from `start` a request computes this step: the rest, as far as the budget allows."""
@@ -348,7 +330,7 @@ class Scheduler:
         plan.chunks = [c for c in plan.chunks if c.request is not request]
         return num_tokens
 
-    def _admit_waiting(self, budget: int, plan: StepPlan, only: Request | None = None) -> None:
+    def _admit_waiting(self, budget: int, plan: StepPlan) -> None:
         # admit only if every running (or soon running) request can still finish its prompt and take one more
         # block: otherwise a later step would preempt the newcomer and throw its prefill away (a newcomer's own
         # later pieces are not held for: waiting for them cost more steps than the preemptions it saved)
@@ -356,7 +338,7 @@ class Scheduler:
             return
         keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
         for request in self.waiting:
-            if budget <= 0 or (only is not None and request is not only):
+            if budget <= 0:
                 break
             if self._waits_for_leader(request):
                 continue
