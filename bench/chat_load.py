@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from bench.workload import Turn, Workload, arrivals
 
 TIMEOUT_S = 600
+KEEP_ALIVE_S = 2.0
 
 
 @dataclass
@@ -59,7 +60,10 @@ class ChatClient:
     def __init__(self, base_url: str, prediction: bool, session_header: bool, model: str = "default") -> None:
         import httpx
 
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        # An idle connection is dropped well before any server closes it (uvicorn after 5 s, as httpx's own
+        # default): reusing one at the moment the server closes it would fail a turn for the client's sake (the
+        # likely cause of one turn genai's front lost with a ReadError, docs/BENCH.md).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEP_ALIVE_S)
         self.http = httpx.AsyncClient(base_url=base_url, limits=limits, timeout=TIMEOUT_S)
         self.prediction = prediction
         self.session_header = session_header
