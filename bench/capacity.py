@@ -86,10 +86,10 @@ class Search:
 
     def record(self, users: int, carried: bool) -> None:
         self.tried.append((users, carried))
-        if carried and (self.missed is None or users < self.missed):
-            self.carried = max(self.carried, users)
-        else:
+        if not carried:
             self.missed = users if self.missed is None else min(self.missed, users)
+        elif self.missed is None or users < self.missed:  # a level carried above a miss (every) does not count
+            self.carried = max(self.carried, users)
 
     @property
     def capacity(self) -> int:
@@ -523,10 +523,11 @@ def token_counter(model: Path):
 
 
 def span(text: str) -> tuple[int, int]:
-    low, high = (int(x) for x in text.split(","))
-    if not 0 < low <= high:
-        raise SystemExit(f"a range is LOW,HIGH with 0 < LOW <= HIGH, not {text}")
-    return low, high
+    """LOW,HIGH token counts, 0 < LOW <= HIGH; anything else ends the run naming the rule."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(x.strip().isdigit() for x in parts) or not 0 < int(parts[0]) <= int(parts[1]):
+        raise SystemExit(f"a range is LOW,HIGH with 0 < LOW <= HIGH, not {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -562,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--note", help="a line for the report's head, e.g. how busy the host was")
     p.add_argument("--report-only", action="store_true", help="rebuild REPORT.md and the plots from results.json")
     a = p.parse_args(argv)
+    if a.replicas < 1:
+        p.error(f"--replicas is a count of 1 or more, not {a.replicas}")
     os.chdir(ROOT)
     from bench import capacity_report, llama_server
 

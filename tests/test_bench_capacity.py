@@ -136,6 +136,15 @@ def test_search_with_every_level_runs_the_whole_ladder_and_counts_only_below_the
     assert search.capacity == 1
 
 
+def test_ranges_and_replica_counts_from_the_command_line_are_checked():
+    assert capacity.span("300,600") == (300, 600) and capacity.span("5,5") == (5, 5)
+    for text in ("a,b", "1,2,3", "0,5", "5,3", "-1,2", "", "1.5,3"):
+        with pytest.raises(SystemExit, match="a range is LOW,HIGH with 0 < LOW <= HIGH"):
+            capacity.span(text)
+    with pytest.raises(SystemExit):
+        capacity.main(["--replicas", "0"])
+
+
 def turn(kind="edit", ttft=0.5, tpot=0.05, warmup=False, status="ok", cached=None):
     return {
         "kind": kind, "status": status, "warmup": warmup, "ttft_s": ttft, "tpot_s": tpot, "gaps_s": [tpot],
@@ -224,20 +233,27 @@ def test_one_level_against_our_server(smol_server, smollm2_ir):
     assert level["summary"]["turns"] + level["summary"]["warmup_turns"] == len(turns)
 
 
+def one_level(served, workload: Workload, users: int, plan, session_header: bool) -> tuple[dict, str]:
+    """Once the server serves: what it does with `prediction`, then one level (prediction sent as the plan
+    says); the server is stopped however that ends."""
+    try:
+        served.wait(300)
+        model, prediction = capacity.prepare(served.url, workload)
+        level = capacity.measure(served.url, served.pids, workload, users, plan, plan.prediction, session_header, model)
+        return level, prediction
+    finally:
+        served.stop()
+
+
 @pytest.mark.slow  # loads openvino-genai's pipeline in a server of its own
 def test_genai_behind_the_same_client(smollm2_ir, tmp_path):
     """genai's pipeline behind bench.genai_server answers the benchmark's client as the other servers do:
     streamed text, usage with exactly max_tokens under ignore_eos, `prediction` ignored."""
     workload = Workload(2, capacity.token_counter(smollm2_ir), 0.2, document_tokens=(40, 80), reply_tokens=(6, 12))
     served = capacity.Served(capacity.System("genai CB", "genai", "test"), smollm2_ir, tmp_path, slots=2)
-    try:
-        served.wait(300)
-        model, prediction = capacity.prepare(served.url, workload)
-        assert prediction == "ignored"
-        plan = capacity.Plan([1], False, duration_s=2.0, ramp_s=0.0, think_s=0.2, seed=2, prediction=True)
-        level = capacity.measure(served.url, served.pids, workload, 1, plan, True, False, model)
-    finally:
-        served.stop()
+    plan = capacity.Plan([1], False, duration_s=2.0, ramp_s=0.0, think_s=0.2, seed=2, prediction=True)
+    level, prediction = one_level(served, workload, 1, plan, session_header=False)
+    assert prediction == "ignored"
     turns = level["turns"]
     assert turns and all(t["status"] == "ok" for t in turns), [t["status"] for t in turns]
     for t in turns:
@@ -259,14 +275,9 @@ def test_replicas_behind_haproxy_keep_a_session_on_one_replica(smollm2_ir, tmp_p
     system = capacity.behind_haproxy(plain, 2)
     assert system.name == "ovserve plain x2" and system.session_header and "2 replicas" in system.settings
     served = capacity.Served(system, smollm2_ir, tmp_path, slots=2)
-    try:
-        served.wait(300)
-        assert len(served.pids) == 2 and served.balancer is not None
-        model, _ = capacity.prepare(served.url, workload)
-        plan = capacity.Plan([2], False, duration_s=4.0, ramp_s=0.0, think_s=0.1, seed=3, prediction=False)
-        level = capacity.measure(served.url, served.pids, workload, 2, plan, False, True, model)
-    finally:
-        served.stop()
+    plan = capacity.Plan([2], False, duration_s=4.0, ramp_s=0.0, think_s=0.1, seed=3, prediction=False)
+    level, _ = one_level(served, workload, 2, plan, session_header=True)
+    assert len(served.pids) == 2 and served.balancer is not None
     turns = level["turns"]
     assert turns and all(t["status"] == "ok" for t in turns), [t["status"] for t in turns]
     # a session's later turn found its history (the previous turn's prompt, up to a block) on the replica it
