@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -93,15 +92,12 @@ async def server_side(client, metrics_port: int) -> dict[str, tuple[float, float
     """The light tenant's histograms so far, (sum, count) each: time to first token as the server measures it
     (from the call's start in the front to its first output) and time queued before the first step."""
     text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
-    out = {}
-    for name, metric in SERVER_SIDE.items():
-        found = [
-            float(m.group(1))
-            for part in ("sum", "count")
-            if (m := re.search(rf'^{metric}_{part}{{tenant="light"}} (\S+)$', text, re.M))
-        ]
-        out[name] = (found[0], found[1]) if len(found) == 2 else (0.0, 0.0)
-    return out
+    samples = {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln.startswith("ovserve_"))}
+    light = '{tenant="light"}'
+    return {
+        name: (samples.get(f"{metric}_sum{light}", 0.0), samples.get(f"{metric}_count{light}", 0.0))
+        for name, metric in SERVER_SIDE.items()
+    }
 
 
 def means(before: dict, after: dict) -> dict[str, float | None]:
