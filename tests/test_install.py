@@ -1,11 +1,15 @@
 """The install's torch step (scripts/install_torch.py): the CPU build from PyTorch's index when it answers, and
 when it does not, nothing installed here and a line saying what the fallback costs. Real sockets: a local
-HTTP server stands in for the index, a closed port for an unreachable one."""
+HTTP server stands in for the index, a closed port for an unreachable one. And the install's uv runs
+(scripts/uv_pip.py): configured as pip is."""
 
 import contextlib
 import http.server
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 import threading
 import tomllib
 from importlib import metadata
@@ -92,3 +96,42 @@ def test_a_cpu_torch_comes_without_cuda_libraries():
         pytest.skip(f"torch {torch} is PyPI's build (PyTorch's CPU index was not reachable at install)")
     cuda = sorted(d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].startswith("nvidia-"))
     assert not cuda and not importlib.util.find_spec("triton") and not importlib.util.find_spec("torchvision")
+
+
+def test_uv_is_given_pips_configuration_the_environment_first():
+    """A real `pip config list` (config files left out): every option the install depends on reaches uv, and pip's
+    best-version-of-all-indexes rule with them."""
+    env = {
+        **os.environ,
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_INDEX_URL": "http://mirror.example/simple",
+        "PIP_EXTRA_INDEX_URL": "file:///one file:///two",
+        "PIP_FIND_LINKS": "/wheels",
+        "PIP_CONSTRAINT": "/etc/limits.txt",
+        "PIP_CERT": "/etc/ca.pem",
+        "PIP_DEFAULT_TIMEOUT": "99",
+    }
+    env.pop("PIP_NO_INDEX", None)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/uv_pip.py"), "--dry-run", "--no-deps", "x==1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith("SSL_CERT_FILE=/etc/ca.pem UV_HTTP_TIMEOUT=99 "), out
+    command = out.split(" ", 2)[2].split()
+    assert command[1:6] == ["pip", "install", "--python", sys.executable, "--index-strategy"], command
+    flags = " ".join(command[6:])
+    assert flags == (
+        "unsafe-best-match --index-url http://mirror.example/simple --extra-index-url file:///one "
+        "--extra-index-url file:///two --find-links /wheels --constraint /etc/limits.txt --no-deps x==1"
+    ), flags
+
+
+def test_a_config_files_option_gives_way_to_the_environments():
+    spec = importlib.util.spec_from_file_location("uv_pip", ROOT / "scripts/uv_pip.py")
+    uv_pip = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(uv_pip)
+    listing = "global.find-links='/a'\n:env:.find-links='/b'\ninstall.index-url='u'\nsite.cert='c'\nnoise\n"
+    assert uv_pip.pip_config(listing) == {"find-links": "/b", "index-url": "u"}
