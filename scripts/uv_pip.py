@@ -38,7 +38,9 @@ def pip_config(listing: str) -> dict[str, str]:
 
 def uv_arguments(config: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """uv's flags and environment for pip's options."""
-    flags = ["--index-strategy", "unsafe-best-match"]
+    # pip compiles every module at install; uv only when asked. Without it, every process that cannot write
+    # bytecode (the converter's child runs with -B) compiles torch and transformers again: ~2x a conversion's time
+    flags = ["--compile-bytecode", "--index-strategy", "unsafe-best-match"]
     if "index-url" in config:
         flags += ["--index-url", config["index-url"]]
     for option, flag in LISTS.items():
