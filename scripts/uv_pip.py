@@ -2,7 +2,7 @@
 
     python scripts/uv_pip.py [--dry-run] ARGS...      (the install steps of the Makefile run this)
 
-uv installs in parallel: the development install takes about 10 s where pip took 140 s on 2 cores. uv does not
+uv installs in parallel: the development install takes about 47 s where pip took 140 s on 2 cores. uv does not
 read pip's configuration, so this passes it on, read from `pip config list` (files and PIP_* variables): the
 index, extra indexes, find-links, constraints, certificate bundle and timeout. uv looks for a package on its
 first index only unless told otherwise; pip takes the best version from all of them, and so does this."""

@@ -121,10 +121,10 @@ def test_uv_is_given_pips_configuration_the_environment_first():
     ).stdout
     assert out.startswith("SSL_CERT_FILE=/etc/ca.pem UV_HTTP_TIMEOUT=99 "), out
     command = out.split(" ", 2)[2].split()
-    assert command[1:6] == ["pip", "install", "--python", sys.executable, "--index-strategy"], command
-    flags = " ".join(command[6:])
+    assert command[1:5] == ["pip", "install", "--python", sys.executable], command
+    flags = " ".join(command[5:])
     assert flags == (
-        "unsafe-best-match --index-url http://mirror.example/simple --extra-index-url file:///one "
+        "--compile-bytecode --index-strategy unsafe-best-match --index-url http://mirror.example/simple --extra-index-url file:///one "
         "--extra-index-url file:///two --find-links /wheels --constraint /etc/limits.txt --no-deps x==1"
     ), flags
 
