@@ -124,8 +124,8 @@ def test_uv_is_given_pips_configuration_the_environment_first():
     assert command[1:5] == ["pip", "install", "--python", sys.executable], command
     flags = " ".join(command[5:])
     assert flags == (
-        "--compile-bytecode --index-strategy unsafe-best-match --index-url http://mirror.example/simple --extra-index-url file:///one "
-        "--extra-index-url file:///two --find-links /wheels --constraint /etc/limits.txt --no-deps x==1"
+        "--compile-bytecode --index-strategy unsafe-best-match --index-url http://mirror.example/simple "
+        "--extra-index-url file:///one --extra-index-url file:///two --find-links /wheels --constraint /etc/limits.txt --no-deps x==1"
     ), flags
 
 
