@@ -125,7 +125,8 @@ def test_uv_is_given_pips_configuration_the_environment_first():
     flags = " ".join(command[5:])
     assert flags == (
         "--compile-bytecode --index-strategy unsafe-best-match --index-url http://mirror.example/simple "
-        "--extra-index-url file:///one --extra-index-url file:///two --find-links /wheels --constraint /etc/limits.txt --no-deps x==1"
+        "--extra-index-url file:///one --extra-index-url file:///two --find-links /wheels "
+        "--constraint /etc/limits.txt --no-deps x==1"
     ), flags
 
 
