@@ -106,6 +106,9 @@ def test_expired_deadlines_are_counted_as_deadline_exceeded(client, server):
         labels = {"rpc": "GenerateStream", "code": code, "tenant": "default"}
         return registry.get_sample_value("ovserve_requests_total", labels) or 0.0
 
+    deadline = time.time() + 5  # an earlier test's call may still be finishing (counted once no longer in flight)
+    while server.server.serving.num_in_flight and time.time() < deadline:
+        time.sleep(0.02)
     before = count("DEADLINE_EXCEEDED"), count("CANCELLED")
     for _ in range(3):
         with pytest.raises(grpc.RpcError):

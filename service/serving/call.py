@@ -52,19 +52,22 @@ class Call:
         if self.finished:
             return
         self.finished = True
-        if self.in_flight:
-            self.serving.num_in_flight -= 1
-        seconds = time.monotonic() - self.started
-        self.metrics.observe_call(self.protocol, self.rpc, code, seconds, self.output, self.tenant_name)
-        if self.request_id is None and exc is None:
-            return  # health probes, model lists: nothing worth a line
-        extra = self.record(code, seconds)
-        if failed:
-            log.error("request failed", extra=extra, exc_info=exc)
-        elif exc is not None:
-            log.info("request refused: %s", str(exc)[:MAX_SHOWN_CHARS], extra=extra)
-        else:
-            log.info("request done", extra=extra)
+        try:
+            seconds = time.monotonic() - self.started
+            self.metrics.observe_call(self.protocol, self.rpc, code, seconds, self.output, self.tenant_name)
+            if self.request_id is None and exc is None:
+                return  # health probes, model lists: nothing worth a line
+            extra = self.record(code, seconds)
+            if failed:
+                log.error("request failed", extra=extra, exc_info=exc)
+            elif exc is not None:
+                log.info("request refused: %s", str(exc)[:MAX_SHOWN_CHARS], extra=extra)
+            else:
+                log.info("request done", extra=extra)
+        finally:
+            # last: a call no longer in flight (what a drain waits for) has been counted and logged
+            if self.in_flight:
+                self.serving.num_in_flight -= 1
 
     def record(self, code: str | int, seconds: float) -> dict[str, Any]:
         """logging's `extra` for the finished call; ids appear only once validated."""
