@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +54,8 @@ def convert(source: str, output: Path, options: Options, force: bool = False) ->
     except (OSError, RuntimeError) as exc:  # a symlink loop
         raise ConvertError(f"{output}: not a usable OUTPUT_DIR ({exc})") from None
     _refuse_output_over_source(source, output)
+    if source.endswith(".gguf") and Path(source).is_file():
+        check_gguf_header(Path(source))
     identity = {
         "source": source,
         "fingerprint": _fingerprint(source, options),
@@ -94,6 +97,35 @@ def convert(source: str, output: Path, options: Options, force: bool = False) ->
         shutil.rmtree(work, ignore_errors=True)
     log.info("done: %s", output)
     return output
+
+
+GGUF_VERSIONS = (2, 3)
+
+
+def check_gguf_header(path: Path) -> None:
+    """A .gguf source's header, read before the converter's libraries load (about 10 s): a file that is not a
+    GGUF model fails at once. What a header cannot show (a damaged tensor, a truncated file) is found when the
+    file is read."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(24)
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ConvertError(f"cannot read {path} ({exc.strerror})") from None
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise ConvertError(f"{path} is not a GGUF file (it does not start with GGUF's header)")
+    for order in "<>":  # GGUF files are little-endian, or big-endian throughout
+        version, tensors, keys = struct.unpack(f"{order}IQQ", head[4:])
+        if version in GGUF_VERSIONS:
+            break
+    else:
+        raise ConvertError(f"cannot read {path} as a GGUF model: unknown GGUF version (supported: 2 and 3)")
+    # a tensor's description takes at least 24 bytes of the file and a metadata entry at least 12
+    if not 0 < tensors <= size // 24 or keys > size // 12:
+        raise ConvertError(
+            f"cannot read {path} as a GGUF model: its header counts {tensors} tensors and {keys} metadata "
+            f"entries in {size} bytes"
+        )
 
 
 def _os_error(exc: OSError, parent: Path) -> Exception:

@@ -4,6 +4,7 @@ absent stays absent, and an existing model (even with --force) keeps every byte.
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,26 @@ def test_corrupt_gguf(tmp_path: Path):
     _assert_clean_failure(run_cli("-m", "convert", str(bad), str(out), check=False), out, None, "GGUF")
     before = _existing_output(out)
     _assert_clean_failure(run_cli("-m", "convert", str(bad), str(out), "--force", check=False), out, before, "GGUF")
+
+
+@pytest.mark.parametrize(
+    ("head", "words"),
+    [
+        (b"PK\x03\x04", ["not a GGUF file"]),
+        (b"GGUF" + struct.pack("<IQQ", 7, 1, 1), ["unknown GGUF version"]),
+        (b"GGUF" + struct.pack("<IQQ", 3, 10**9, 1), ["1000000000 tensors"]),
+        (b"GGUF" + struct.pack(">IQQ", 3, 1, 10**9), ["1000000000 metadata entries"]),
+        (b"GGUF" + struct.pack("<IQQ", 3, 1, 1), ["cannot read", "as a GGUF model"]),  # read by the libraries
+    ],
+    ids=["not-gguf", "version", "tensors", "entries-big-endian", "plausible-header"],
+)
+def test_a_damaged_gguf_fails_in_one_line(tmp_path: Path, head: bytes, words: list[str]):
+    """The header is checked before the converter's libraries load; a plausible header over garbage fails where
+    the file is read."""
+    bad = tmp_path / "damaged.gguf"
+    bad.write_bytes(head + os.urandom(4096))
+    out = tmp_path / "out"
+    _assert_clean_failure(run_cli("-m", "convert", str(bad), str(out), check=False), out, None, *words)
 
 
 def _damaged_copy(src: Path, where: Path, name: str, content: str | None) -> Path:
