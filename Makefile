@@ -2,7 +2,7 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
-# uv installs the packages (in parallel: ~47 s where pip took ~140 s), configured as pip is (scripts/uv_pip.py)
+# uv installs the packages (in parallel: 15-47 s where pip took ~140 s), configured as pip is (scripts/uv_pip.py)
 INSTALL := $(PY) scripts/uv_pip.py
 MODEL   ?= models/smollm2-135m-int8
 QWEN4B  := models/qwen3-4b-synthetic-int8

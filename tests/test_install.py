@@ -98,9 +98,10 @@ def test_a_cpu_torch_comes_without_cuda_libraries():
     assert not cuda and not importlib.util.find_spec("triton") and not importlib.util.find_spec("torchvision")
 
 
-def test_uv_is_given_pips_configuration_the_environment_first():
+@pytest.mark.parametrize("cached", [True, False], ids=["bytecode-cached", "bytecode-not-written"])
+def test_uv_is_given_pips_configuration_the_environment_first(cached):
     """A real `pip config list` (config files left out): every option the install depends on reaches uv, and pip's
-    best-version-of-all-indexes rule with them."""
+    best-version-of-all-indexes rule with them; where Python may not cache bytecode, it is compiled at install."""
     env = {
         **os.environ,
         "PIP_CONFIG_FILE": os.devnull,
@@ -112,6 +113,9 @@ def test_uv_is_given_pips_configuration_the_environment_first():
         "PIP_DEFAULT_TIMEOUT": "99",
     }
     env.pop("PIP_NO_INDEX", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if not cached:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts/uv_pip.py"), "--dry-run", "--no-deps", "x==1"],
         env=env,
@@ -122,9 +126,10 @@ def test_uv_is_given_pips_configuration_the_environment_first():
     assert out.startswith("SSL_CERT_FILE=/etc/ca.pem UV_HTTP_TIMEOUT=99 "), out
     command = out.split(" ", 2)[2].split()
     assert command[1:5] == ["pip", "install", "--python", sys.executable], command
-    flags = " ".join(command[5:])
+    assert (command[5] == "--compile-bytecode") == (not cached), command
+    flags = " ".join(command[5 if cached else 6 :])
     assert flags == (
-        "--compile-bytecode --index-strategy unsafe-best-match --index-url http://mirror.example/simple "
+        "--index-strategy unsafe-best-match --index-url http://mirror.example/simple "
         "--extra-index-url file:///one --extra-index-url file:///two --find-links /wheels "
         "--constraint /etc/limits.txt --no-deps x==1"
     ), flags
