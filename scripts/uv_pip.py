@@ -4,8 +4,9 @@
 
 uv installs in parallel: the development install takes 15-47 s where pip took 140 s on 2 cores. uv does not
 read pip's configuration, so this passes it on, read from `pip config list` (files and PIP_* variables): the
-index, extra indexes, find-links, constraints, certificate bundle and timeout. uv looks for a package on its
-first index only unless told otherwise; pip takes the best version from all of them, and so does this."""
+index, extra indexes, find-links, no-index, constraints, trusted hosts, proxy, certificate bundle and timeout.
+uv looks for a package on its first index only unless told otherwise; pip takes the best version from all of
+them, and so does this."""
 
 from __future__ import annotations
 
@@ -16,24 +17,28 @@ import sys
 from pathlib import Path
 
 # pip's option: uv's flag (options that may hold several values, separated by whitespace)
-LISTS = {"extra-index-url": "--extra-index-url", "find-links": "--find-links", "constraint": "--constraint"}
+LISTS = {
+    "extra-index-url": "--extra-index-url",
+    "find-links": "--find-links",
+    "constraint": "--constraint",
+    "trusted-host": "--allow-insecure-host",
+}
+# where an option is set in several places, pip takes the environment's, then the install section's
+PRECEDENCE = {":env:": 0, "install": 1, "global": 2}
 
 
 def pip_config(listing: str) -> dict[str, str]:
-    """{option: value} from `pip config list` lines (`section.option='value'`); where an option appears in
-    several sections, the environment's (`:env:`) wins, as in pip."""
-    found: dict[str, str] = {}
+    """{option: value} from `pip config list` lines (`section.option='value'`), by pip's PRECEDENCE."""
+    found: dict[str, tuple[int, str]] = {}
     for line in listing.splitlines():
         key, sep, value = line.partition("=")
-        if not sep or "." not in key:
-            continue
         section, _, option = key.rpartition(".")
-        if section not in (":env:", "global", "install"):
+        if not sep or section not in PRECEDENCE:
             continue
-        value = value.strip().strip("'\"")
-        if section == ":env:" or option not in found:
-            found[option] = value
-    return found
+        rank = PRECEDENCE[section]
+        if option not in found or rank < found[option][0]:
+            found[option] = (rank, value.strip().strip("'\""))
+    return {option: value for option, (_, value) in found.items()}
 
 
 def uv_arguments(config: dict[str, str], compile_bytecode: bool = False) -> tuple[list[str], dict[str, str]]:
@@ -44,9 +49,13 @@ def uv_arguments(config: dict[str, str], compile_bytecode: bool = False) -> tupl
     for option, flag in LISTS.items():
         for value in config.get(option, "").split():
             flags += [flag, value]
+    if config.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+        flags.append("--no-index")
     if compile_bytecode:
         flags.insert(0, "--compile-bytecode")
     env = {}
+    if "proxy" in config:
+        env["HTTPS_PROXY"] = env["HTTP_PROXY"] = config["proxy"]
     if "cert" in config:
         env["SSL_CERT_FILE"] = config["cert"]
     if "default-timeout" in config:

@@ -139,5 +139,14 @@ def test_a_config_files_option_gives_way_to_the_environments():
     spec = importlib.util.spec_from_file_location("uv_pip", ROOT / "scripts/uv_pip.py")
     uv_pip = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(uv_pip)
-    listing = "global.find-links='/a'\n:env:.find-links='/b'\ninstall.index-url='u'\nsite.cert='c'\nnoise\n"
-    assert uv_pip.pip_config(listing) == {"find-links": "/b", "index-url": "u"}
+    listing = (
+        "global.find-links='/a'\n:env:.find-links='/b'\ninstall.index-url='u'\nglobal.index-url='g'\n"
+        "install.proxy='p'\nsite.cert='c'\nnoise\n"
+    )
+    assert uv_pip.pip_config(listing) == {"find-links": "/b", "index-url": "u", "proxy": "p"}
+    flags, env = uv_pip.uv_arguments({"no-index": "true", "trusted-host": "a b", "proxy": "http://p:3128"})
+    assert flags == [
+        "--index-strategy", "unsafe-best-match", "--allow-insecure-host", "a", "--allow-insecure-host", "b",
+        "--no-index",
+    ]  # fmt: skip
+    assert env == {"HTTPS_PROXY": "http://p:3128", "HTTP_PROXY": "http://p:3128"}
