@@ -11,6 +11,7 @@ them, and so does this."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -63,6 +64,11 @@ def uv_arguments(config: dict[str, str], compile_bytecode: bool = False) -> tupl
     return flags, env
 
 
+def redacted(line: str) -> str:
+    """The line with the passwords of URLs (an index's or a proxy's `user:password@`) masked, as pip masks them."""
+    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1****@", line)
+
+
 def main(argv: list[str]) -> int:
     dry_run = argv[:1] == ["--dry-run"]
     args = argv[1:] if dry_run else argv
@@ -75,7 +81,7 @@ def main(argv: list[str]) -> int:
     flags, env = uv_arguments(pip_config(listing), compile_bytecode=sys.flags.dont_write_bytecode)
     uv = Path(sys.executable).with_name("uv")
     command = [str(uv), "pip", "install", "--python", sys.executable, *flags, *args]
-    print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(command)]), flush=True)
+    print(redacted(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(command)])), flush=True)
     if dry_run:
         return 0
     return subprocess.run(command, env={**os.environ, **env}).returncode

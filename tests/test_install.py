@@ -150,3 +150,7 @@ def test_a_config_files_option_gives_way_to_the_environments():
         "--no-index",
     ]  # fmt: skip
     assert env == {"HTTPS_PROXY": "http://p:3128", "HTTP_PROXY": "http://p:3128"}
+    line = "HTTPS_PROXY=http://me:s3cret@proxy:3128 uv --index-url https://tok:abc%40d@mirror/simple --find-links /w"
+    assert uv_pip.redacted(line) == (
+        "HTTPS_PROXY=http://me:****@proxy:3128 uv --index-url https://tok:****@mirror/simple --find-links /w"
+    )
