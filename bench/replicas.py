@@ -47,11 +47,17 @@ from service.client import Client, new_session_id
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180
+# service.process's last line of a start names the gRPC port: "serving MODEL (...) at gRPC HOST:PORT, ..."
+READY_LINE = re.compile(r"INFO service\.process: serving .* at gRPC [^\s:]+:(?P<grpc>\d+)")
 
 
 class Replica:
-    """`python -m service` on 127.0.0.1 and free ports (gRPC and HTTP), its log in a file (a pipe nobody reads
-    would fill up and stall the server)."""
+    """`python -m service` on 127.0.0.1, its log in a file (a pipe nobody reads would fill up and stall the
+    server). A gRPC port left at 0 is the kernel's choice, read from the server's ready line; an HTTP port left
+    at 0 is picked free here (0 would turn the HTTP API off), and the server is started again on another when
+    that one was taken before the server bound it (seen in CI, from a server of another test)."""
+
+    STARTS = 3
 
     def __init__(
         self,
@@ -63,28 +69,41 @@ class Replica:
         port: int = 0,
         http_port: int = 0,
     ) -> None:
-        self.port = port or free_port()
-        self.http_port = http_port or free_port()
+        self.port, self.http_port, self.pick_http_port = port, http_port or free_port(), not http_port
         self.log = log
-        command = [sys.executable, "-m", "service", "--model", str(model), "--host", "127.0.0.1"]
-        command += ["--port", str(self.port), "--metrics-port", "0", "--http-port", str(self.http_port)]
-        command += ["--threads", str(threads)]
-        command += ["--kv-cache-gb", str(kv_cache_gb), *args]
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        self.target = f"127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "service", "--model", str(model), "--host", "127.0.0.1"]
+        self.command += ["--metrics-port", "0", "--threads", str(threads), "--kv-cache-gb", str(kv_cache_gb), *args]
+        self.starts = 0
+        self._launch()
+
+    def _launch(self) -> None:
+        self.starts += 1
+        ports = ["--port", str(self.port), "--http-port", str(self.http_port)]
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(self.command + ports, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
     def wait_serving(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until the server logs its ready line (which names its gRPC port)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if "INFO service.process: serving" in self.log.read_text():
+            text = self.log.read_text(errors="replace")
+            ready = READY_LINE.search(text)
+            if ready is not None:
+                self.port = int(ready["grpc"])
                 return
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"replica on {self.port} exited {self.proc.returncode}: {self.log.read_text()[-2000:]}"
-                )
+                taken = f"cannot listen on 127.0.0.1:{self.http_port} " in text  # service.process's words
+                if self.pick_http_port and taken and self.starts < self.STARTS:
+                    self.http_port = free_port()
+                    self._launch()
+                    continue
+                raise RuntimeError(f"replica {self.log.stem} exited {self.proc.returncode}: {text[-2000:]}")
             time.sleep(0.2)
-        raise TimeoutError(f"replica on {self.port} not serving after {timeout} s")
+        raise TimeoutError(f"replica {self.log.stem} not serving after {timeout} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
