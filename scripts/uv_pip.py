@@ -44,7 +44,8 @@ def pip_config(listing: str) -> dict[str, str]:
 
 def uv_arguments(config: dict[str, str], compile_bytecode: bool = False) -> tuple[list[str], dict[str, str]]:
     """uv's flags and environment for pip's options."""
-    flags = ["--index-strategy", "unsafe-best-match"]
+    flags = ["--compile-bytecode"] if compile_bytecode else []
+    flags += ["--index-strategy", "unsafe-best-match"]
     if "index-url" in config:
         flags += ["--index-url", config["index-url"]]
     for option, flag in LISTS.items():
@@ -52,8 +53,6 @@ def uv_arguments(config: dict[str, str], compile_bytecode: bool = False) -> tupl
             flags += [flag, value]
     if config.get("no-index", "").lower() in ("1", "true", "yes", "on"):
         flags.append("--no-index")
-    if compile_bytecode:
-        flags.insert(0, "--compile-bytecode")
     env = {}
     if "proxy" in config:
         env["HTTPS_PROXY"] = env["HTTP_PROXY"] = config["proxy"]

@@ -98,6 +98,13 @@ def test_a_damaged_gguf_fails_in_one_line(tmp_path: Path, head: bytes, words: li
     _assert_clean_failure(run_cli("-m", "convert", str(bad), str(out), check=False), out, None, *words)
 
 
+def test_a_gguf_cut_inside_its_header_fails_in_one_line(tmp_path: Path):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 1)[:10])  # a half-written file
+    out = tmp_path / "out"
+    _assert_clean_failure(run_cli("-m", "convert", str(bad), str(out), check=False), out, None, "not a GGUF file")
+
+
 def _damaged_copy(src: Path, where: Path, name: str, content: str | None) -> Path:
     shutil.copytree(src, where)
     if content is None:

@@ -20,12 +20,17 @@ from tests.support.paths import ROOT
 from tests.support.servers import free_port
 
 
-@pytest.fixture(scope="module")
-def install_torch():
-    spec = importlib.util.spec_from_file_location("install_torch", ROOT / "scripts/install_torch.py")
+def script(name: str):
+    """scripts/NAME.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def install_torch():
+    return script("install_torch")
 
 
 @contextlib.contextmanager
@@ -136,9 +141,7 @@ def test_uv_is_given_pips_configuration_the_environment_first(cached):
 
 
 def test_a_config_files_option_gives_way_to_the_environments():
-    spec = importlib.util.spec_from_file_location("uv_pip", ROOT / "scripts/uv_pip.py")
-    uv_pip = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(uv_pip)
+    uv_pip = script("uv_pip")
     listing = (
         "global.find-links='/a'\n:env:.find-links='/b'\ninstall.index-url='u'\nglobal.index-url='g'\n"
         "install.proxy='p'\nsite.cert='c'\nnoise\n"
