@@ -12,7 +12,7 @@ CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 OPTIMUM_INTEL := optimum-intel==2.2.0
 
-.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-engines llama-server bench-capacity-full bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-fleet-routing bench-tenants bench-predicted clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-engines llama-server bench-capacity-full bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-revisions bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-fleet-routing bench-tenants bench-predicted clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -185,6 +185,14 @@ bench-predicted: $(STAMP) $(MODEL)/manifest.json
 # For the Qwen3-4B shape: make bench-deterministic MODEL=models/qwen3-4b-synthetic-int8 (after make bench-4b).
 bench-deterministic: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.deterministic $(MODEL) --out bench/results-deterministic/$(notdir $(MODEL)).json
+
+# The same gRPC work on servers of git revisions or settings side by side, taking turns (bench/revisions.py): for
+# a mode that exists only in history. By default the deterministic steps against the `auto` precision they
+# replaced (599bcb7, with its bf16 copy on AVX512_BF16/AMX CPUs) and the fast modes left as options.
+REVISIONS ?= --server deterministic=. --server auto-before=599bcb7 \
+	--server 'fast-bf16=.:--no-deterministic --inference-precision bf16 --max-num-batched-tokens 512'
+bench-revisions: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.revisions $(MODEL) $(REVISIONS) --out bench/results-deterministic/revisions-$(notdir $(MODEL)).json
 
 bench-speculative-4b: $(STAMP)
 	@test -f $(QWEN4B)/manifest.json || { echo "run make bench-4b first: it builds $(QWEN4B)"; exit 1; }

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import time
 from pathlib import Path
@@ -146,11 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" not in skip:
         streams = [int(s) for s in a.streams.split(",")]
         result["throughput"] = throughput(a.model, writing, streams, a.rounds, a.max_new_tokens)
-    result["load"] = os.getloadavg()
-    print(json.dumps(result, indent=1))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    run.report(result, a.out)
     return 0
 
 

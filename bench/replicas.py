@@ -68,7 +68,9 @@ class Replica:
         *args: str,
         port: int = 0,
         http_port: int = 0,
+        cwd: Path = ROOT,
     ) -> None:
+        self.cwd = cwd
         self.port, self.http_port, self.pick_http_port = port, http_port or free_port(), not http_port
         self.log = log
         self.command = [sys.executable, "-m", "service", "--model", str(model), "--host", "127.0.0.1"]
@@ -80,7 +82,7 @@ class Replica:
         self.starts += 1
         ports = ["--port", str(self.port), "--http-port", str(self.http_port)]
         with self.log.open("w") as out:
-            self.proc = subprocess.Popen(self.command + ports, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.command + ports, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd)
 
     @property
     def target(self) -> str:

@@ -402,6 +402,15 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x * 1000:.0f}ms"
 
 
+def report(result: dict, out: str | None) -> None:
+    """A one-question benchmark's result: with the load at its end, printed, and written as JSON to `out`."""
+    result["load"] = os.getloadavg()
+    print(json.dumps(result, indent=1))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def save(results: dict, out_dir: str) -> None:
     """results.json in out_dir, without the bulky token lists."""
     out = Path(out_dir)

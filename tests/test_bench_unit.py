@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import grpc_ab, grpc_load, replicas, report, tune, workers
+from bench import grpc_ab, grpc_load, replicas, report, revisions, tune, workers
 from service.config import parse_args
 from service.core.config import EngineConfig
 from service.core.stats import EngineStats
@@ -177,3 +177,18 @@ def test_history_from_the_store_is_the_end_of_what_was_found():
     assert replicas.share_of_history([turn(520, 0)], remote_only=True) == 0
     assert replicas.share_of_history([turn(0, 0), turn(500, 250)]) == pytest.approx(0.5)
     assert replicas.share_of_history([turn(600, 40)], remote_only=True) == 0  # RAM held the whole history
+
+
+def test_revisions_reads_server_specs_and_extracts_a_revision(tmp_path: Path):
+    assert revisions.server_spec("old=599bcb7") == ("old", "599bcb7", "")
+    assert revisions.server_spec("fast=.:--no-deterministic --max-num-batched-tokens 512") == (
+        "fast",
+        ".",
+        "--no-deterministic --max-num-batched-tokens 512",
+    )
+    for bad in ("old", "=HEAD", "old="):
+        with pytest.raises(ValueError, match="NAME=REV"):
+            revisions.server_spec(bad)
+    tree = revisions.extract("HEAD", tmp_path)
+    assert (tree / "service" / "__main__.py").is_file() and (tree / "service/api/ovserve/v1/ovserve_pb2.py").is_file()
+    assert revisions.extract("HEAD", tmp_path) == tree  # a second server of the same revision shares the tree
