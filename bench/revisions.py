@@ -142,6 +142,8 @@ async def measure(replicas: dict[str, Replica], a: argparse.Namespace) -> dict[s
             if a.prompt_tokens:
                 ratios["first token, seconds"] = round(median(ttft[first]) / median(ttft[s.name]), 3)
             out[f"{first} over {s.name}"] = ratios
+    for s in servers:
+        await s.channel.close()
     return out
 
 
