@@ -12,7 +12,7 @@ CONVERTER := $(VENV)/.installed-convert
 STAMP     := $(VENV)/.installed
 OPTIMUM_INTEL := optimum-intel==2.2.0
 
-.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-engines llama-server bench-capacity-full bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-revisions bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-fleet-routing bench-tenants bench-predicted clean
+.PHONY: playground-libs install install-runtime install-convert system-packages proto model serve tools-model tools-demo test test-fast test-unit lint typecheck check bench bench-engines llama-server bench-capacity-full bench-memory bench-speculative bench-speculative-quick bench-deterministic bench-revisions bench-step-shapes bench-speculative-4b bench-int4 bench-structured bench-kv-disk bench-fleet-cache bench-ab bench-http bench-4b bench-llamacpp bench-replicas bench-fleet-routing bench-tenants bench-predicted clean
 
 # Everything: serving, converting, tests, lint and benchmarks (CI runs this through lint, typecheck and test).
 install: $(STAMP)
@@ -193,6 +193,10 @@ REVISIONS ?= --server deterministic=. --server auto-before=599bcb7 \
 	--server 'fast-bf16=.:--no-deterministic --inference-precision bf16 --max-num-batched-tokens 512'
 bench-revisions: $(STAMP) $(MODEL)/manifest.json
 	$(PY) -m bench.revisions $(MODEL) $(REVISIONS) --out bench/results-deterministic/revisions-$(notdir $(MODEL)).json
+
+# What a change of a step's shape costs against a row (the runner alone): docs/SPECULATIVE.md.
+bench-step-shapes: $(STAMP) $(MODEL)/manifest.json
+	$(PY) -m bench.step_shapes $(MODEL)
 
 bench-speculative-4b: $(STAMP)
 	@test -f $(QWEN4B)/manifest.json || { echo "run make bench-4b first: it builds $(QWEN4B)"; exit 1; }
