@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import os
 import shlex
 import subprocess
@@ -31,8 +32,10 @@ from statistics import median
 from typing import Any
 
 from bench import run, sysinfo
+from bench.memory_soak import read_memory
 from bench.replicas import ROOT, Replica
 from bench.speculative import WORKLOADS
+from service.client import build_request
 
 
 def extract(rev: str, into: Path) -> Path:
@@ -40,11 +43,8 @@ def extract(rev: str, into: Path) -> Path:
     folder = into / rev
     if folder.exists():
         return folder
-    folder.mkdir()
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
-    tar = into / f"{rev}.tar"
-    tar.write_bytes(archive)
-    with tarfile.open(tar) as t:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as t:
         t.extractall(folder, filter="data")
     return folder
 
@@ -60,23 +60,23 @@ def server_spec(spec: str) -> tuple[str, str, str]:
 
 def memory(pid: int) -> dict[str, float]:
     """VmRSS and VmHWM of a process, in GB."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return {k: round(int(fields[k].split()[0]) / 1e6, 2) for k in ("VmRSS", "VmHWM")}
+    found = read_memory(pid)
+    return {k: round(found[k] / 1e9, 2) for k in ("VmRSS", "VmHWM")}
 
 
 class Server:
     def __init__(self, name: str, replica: Replica) -> None:
         import grpc
 
-        from service.api.ovserve.v1 import ovserve_pb2, ovserve_pb2_grpc
+        from service.api.ovserve.v1 import ovserve_pb2_grpc
 
-        self.name, self.replica, self.pb2 = name, replica, ovserve_pb2
+        self.name, self.replica = name, replica
         self.channel = grpc.aio.insecure_channel(replica.target)
         self.stub = ovserve_pb2_grpc.GenerationStub(self.channel)
 
     async def reply(self, ids: list[int], max_new: int, salt: str, ignore_eos: bool = False) -> tuple[float, list[int]]:
         """(seconds to the first token, the reply's tokens) of one greedy streamed request."""
-        req = self.pb2.GenerateRequest(
+        req = build_request(
             prompt_token_ids=ids, max_new_tokens=max_new, temperature=0.0, cache_salt=salt, ignore_eos=ignore_eos
         )
         t0, first, tokens = time.perf_counter(), None, []
