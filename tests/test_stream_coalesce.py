@@ -5,7 +5,7 @@ import asyncio
 
 from service.core.outputs import FinishReason
 from service.engine.core import EngineOutput
-from service.engine.front import coalesce
+from service.engine.outputs import coalesce
 from service.errors import EngineFailure
 
 

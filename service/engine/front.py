@@ -1,5 +1,5 @@
-"""The engine's async front: validates requests, streams their outputs to callers on any event loop
-(detokenized, stop strings applied), and aborts what callers abandon.
+"""The engine's async front: takes a call's requests (checked and made by the intake), streams their outputs
+to callers on any event loop (detokenized, stop strings applied), and aborts what callers abandon.
 
 Each request gets a server-generated id, the key of its stream here and of its state on the engine
 thread; the caller's request_id is only a label. A call for n candidates is n requests on one stream: the
@@ -12,40 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from service.core.config import EngineConfig
-from service.core.grammar import GrammarCompiler, Matcher, ResponseFormat
+from service.core.grammar import GrammarCompiler
 from service.core.outputs import RequestOutput
-from service.core.reasoning import ReasoningSplitter, after_reasoning, starts_inside
-from service.core.request import (
-    Request,
-    check_cache_salt,
-    check_label,
-    check_prediction,
-    check_priority,
-    check_prompt,
-)
-from service.core.spec import Prediction
+from service.core.reasoning import ReasoningSplitter
 from service.core.stats import EngineStats, ModelInfo
-from service.core.tools import CLOSE_TAG, OPEN_TAG
 from service.engine.core import EngineCore, EngineOutput
+from service.engine.intake import Intake
 from service.engine.model_files import ModelFiles
+from service.engine.outputs import coalesce
 from service.engine.protocol import GenerationRequest
 from service.engine.reply import ReplyAssembler
 from service.engine.tokenizer import Tokenizer
-from service.errors import DeadlineExceeded, InvalidArgument, QueueFull, Unavailable
+from service.errors import Unavailable
 
 log = logging.getLogger(__name__)
-
-SEEDS = 1 << 64  # the contract's uint64 seeds: candidate i's seed + i wraps around
 
 
 @dataclass
@@ -69,12 +56,12 @@ class Engine:
                 f"the tokenizer in {model_dir} has token ids up to {self.tokenizer.max_token_id}, outside the "
                 f"model's vocabulary of {self.info.vocab_size}; convert the model again with `python -m convert`"
             )
-        self.grammars = GrammarCompiler(
+        grammars = GrammarCompiler(
             (self.model.path / "tokenizer.json").read_text(), self.info.vocab_size, self.info.eos_token_ids
         )
+        self.intake = Intake(config, self.info, self.tokenizer, grammars)
         self._streams: dict[int, _Stream] = {}  # by request id; written on callers' loops, read by the engine
         self._in_flight: Counter[str] = Counter()  # requests with a stream, by tenant
-        self._ids = itertools.count(1)
         self._death_listeners: list[Callable[[], None]] = []
         self.died = False
         self._accepting = False
@@ -112,25 +99,15 @@ class Engine:
         schema takes milliseconds). With active tools the reply's calls come back parsed, as increments in each
         output's tool_calls. A reply that may reason (asked.reasoning) has its reasoning block returned apart, in
         each output's reasoning, and a format applies after the block."""
-        self._check_n(asked.n)
-        response_format, call_ids = asked.response_format, None
-        if asked.tools is not None and asked.tools.active:
-            if response_format is not None:
-                raise InvalidArgument("response_format", "cannot be combined with tools")
-            call_ids = self.tool_call_ids()
-            response_format = asked.tools.response_format(*call_ids)
-        checks = asked.tools.schemas() if call_ids is not None and asked.tools is not None else []
-        think_ids = self.tokenizer.think_ids if asked.reasoning else None
-        inside = think_ids is not None and starts_inside(asked.prompt_token_ids, *think_ids)
-        if think_ids is not None and response_format is not None:
-            # the format alone first, so that its errors are its own; then with the reasoning before it
-            checks = [response_format] if call_ids is None else checks
-            response_format = after_reasoning(response_format, *think_ids, inside)
-        matchers: list[Matcher | None] = [None] * asked.n
-        if response_format is not None:  # one each: a matcher follows its own reply (the grammar is compiled once)
-            fmt = response_format
-            matchers = await asyncio.to_thread(lambda: [self._matcher(fmt, checks) for _ in range(asked.n)])
-        requests = self._make_requests(asked, matchers)
+        self.intake.check_n(asked.n)
+        shape = await self.intake.shape(asked)
+        requests = self.intake.requests(
+            asked,
+            shape.matchers,
+            accepting=self._accepting,
+            in_flight=len(self._streams),
+            tenant_in_flight=self._in_flight[asked.tenant.name],
+        )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         replies = {}
         for index, request in enumerate(requests):
@@ -142,9 +119,9 @@ class Engine:
                 request.arrival_time,
                 asked.params,
                 self.tokenizer.decode,
-                call_ids,
+                shape.call_ids,
                 index,
-                ReasoningSplitter(self.tokenizer.decode, *think_ids, inside) if think_ids is not None else None,
+                ReasoningSplitter(self.tokenizer.decode, *shape.think_ids, shape.inside) if shape.think_ids else None,
             )
         running = set(replies)  # the candidates the engine is not done with (finished, failed or told to stop)
         try:
@@ -174,88 +151,6 @@ class Engine:
                     del self._in_flight[request.tenant]
             for request_id in running:
                 self.core.abort(request_id)
-
-    def _check_n(self, n: int) -> None:
-        if not 1 <= n <= self.config.max_n:
-            raise InvalidArgument("n", f"must be in [1, {self.config.max_n}] (the server's --max-n), got {n}")
-        held = self.config.max_num_seqs + self.config.max_queue
-        if n > held:  # never served, however long the client retried: not a full queue
-            limits = "--max-num-seqs + --max-queue"
-            raise InvalidArgument("n", f"must be at most {held} here: the server holds no more requests ({limits})")
-
-    def _matcher(self, fmt: ResponseFormat, parts: list[ResponseFormat]) -> Matcher:
-        """The format's matcher. Where a grammar built from parts (each tool's schema, a format after reasoning)
-        does not compile, each part is compiled alone, so that the error names the part at fault (the tool whose
-        parameters are wrong) and says what is wrong with it rather than with the whole grammar."""
-        try:
-            return self.grammars.matcher(fmt)
-        except InvalidArgument:
-            for part in parts:
-                self.grammars.compile(part)
-            raise
-
-    def tool_call_ids(self) -> tuple[int, int]:
-        """The tokens that open and close a tool call in the model's format (Qwen3's)."""
-        self.tokenizer.check_tools()
-        ids = self.tokenizer.token_to_id(OPEN_TAG), self.tokenizer.token_to_id(CLOSE_TAG)
-        assert ids[0] is not None and ids[1] is not None  # check_tools refuses a model without them
-        return ids[0], ids[1]
-
-    def _make_requests(self, asked: GenerationRequest, matchers: list[Matcher | None]) -> list[Request]:
-        """Validate everything a caller sent; the requests (one per candidate, with its matcher) are the engine
-        thread's once submitted. Candidate i draws with seed + i; the later ones follow the first (leader)."""
-        prompt, params, label, timeout = asked.prompt_token_ids, asked.params, asked.request_id, asked.timeout
-        prompt_field, cache_salt = asked.prompt_field, asked.cache_salt
-        if label is not None:
-            check_label(label)
-        check_cache_salt(cache_salt)
-        check_priority(asked.priority)
-        if not self._accepting:
-            raise Unavailable("the engine is not serving (loading, stopped or draining)")
-        check_prompt(prompt, prompt_field, self.info.max_model_len, self.info.vocab_size)
-        check_prediction(asked.prediction, self.info.max_model_len, self.info.vocab_size)
-        params.validate(self.info.max_new_tokens_limit, self.info.vocab_size)
-        if timeout is not None and timeout <= 0:
-            raise DeadlineExceeded("the deadline passed before the request was queued")
-        limit = self.config.max_num_seqs + self.config.max_queue
-        if len(self._streams) + len(matchers) > limit:
-            raise QueueFull(
-                f"{len(self._streams)} requests in flight and {len(matchers)} asked for; the limit is "
-                f"{self.config.max_num_seqs} running + {self.config.max_queue} queued"
-            )
-        self._check_tenant_queue(asked.tenant.name, len(matchers))
-        params = replace(params, eos_token_ids=self.info.eos_token_ids)
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        label = label or uuid.uuid4().hex
-        requests: list[Request] = []
-        for i, matcher in enumerate(matchers):
-            seed = None if params.seed is None else (params.seed + i) % SEEDS
-            request = Request(
-                next(self._ids),
-                list(prompt),
-                replace(params, seed=seed),
-                label,
-                cache_salt=asked.tenant.cache_salt(cache_salt),
-                tenant=asked.tenant.name,
-                tenant_weight=asked.tenant.weight,
-                priority=asked.priority,
-                deadline=deadline,
-                matcher=matcher,
-                leader=requests[0] if requests else None,
-                prediction=Prediction(asked.prediction, len(prompt)) if asked.prediction else None,
-            )
-            requests.append(request)
-        return requests
-
-    def _check_tenant_queue(self, tenant: str, asked: int) -> None:
-        """QueueFull when the tenant's requests in flight and the `asked` ones (n candidates) would pass what
-        --max-queued-per-tenant allows: one tenant cannot fill the queue that every tenant shares."""
-        queued = self.config.max_queued_per_tenant
-        if queued is not None and self._in_flight[tenant] + asked > self.config.max_num_seqs + queued:
-            raise QueueFull(
-                f"tenant {tenant} has {self._in_flight[tenant]} requests in flight and {asked} asked for; the limit "
-                f"per tenant is {self.config.max_num_seqs} running + {queued} queued (max_queued_per_tenant)"
-            )
 
     # -- engine thread ---------------------------------------------------------------------------------
     def _publish(self, outputs: list[EngineOutput]) -> None:
@@ -288,25 +183,3 @@ class Engine:
 def _deliver(items: list[tuple[_Stream, EngineOutput]]) -> None:
     for stream, out in items:
         stream.outputs.put_nowait(out)
-
-
-def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> list[EngineOutput]:
-    """This output and those already waiting behind it, folded into one per request (in the order of their first
-    output): a consumer that fell behind (a slow client, a busy event loop) catches up with one output per
-    candidate, and so one stream message each, instead of one per step. An error replaces what came before it;
-    what comes after a request's last output is dropped."""
-    folded: dict[int, EngineOutput] = {out.request_id: out}
-    while not pending.empty():
-        later = pending.get_nowait()
-        earlier = folded.get(later.request_id)
-        if earlier is None or later.error is not None:
-            folded[later.request_id] = later if earlier is None or not earlier.final else earlier
-        elif not earlier.final:
-            folded[later.request_id] = replace(
-                later,
-                token_ids=earlier.token_ids + later.token_ids,
-                logprobs=earlier.logprobs + later.logprobs,
-                drafted=earlier.drafted + later.drafted,
-                predicted=earlier.predicted + later.predicted,
-            )
-    return list(folded.values())

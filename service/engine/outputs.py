@@ -1,9 +1,10 @@
-"""What the engine thread publishes, and the commands it takes."""
+"""What the engine thread publishes, the commands it takes, and how a lagging caller folds what waits for it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from service.core.outputs import FinishReason, TokenLogprob
 from service.core.request import Request
@@ -106,3 +107,25 @@ def error_of(request: Request, error: ServiceError) -> EngineOutput:
     out = output_of(request, [], [])
     out.finish_reason, out.error = None, error
     return out
+
+
+def coalesce(out: EngineOutput, pending: asyncio.Queue[EngineOutput]) -> list[EngineOutput]:
+    """This output and those already waiting behind it, folded into one per request (in the order of their first
+    output): a consumer that fell behind (a slow client, a busy event loop) catches up with one output per
+    candidate, and so one stream message each, instead of one per step. An error replaces what came before it;
+    what comes after a request's last output is dropped."""
+    folded: dict[int, EngineOutput] = {out.request_id: out}
+    while not pending.empty():
+        later = pending.get_nowait()
+        earlier = folded.get(later.request_id)
+        if earlier is None or later.error is not None:
+            folded[later.request_id] = later if earlier is None or not earlier.final else earlier
+        elif not earlier.final:
+            folded[later.request_id] = replace(
+                later,
+                token_ids=earlier.token_ids + later.token_ids,
+                logprobs=earlier.logprobs + later.logprobs,
+                drafted=earlier.drafted + later.drafted,
+                predicted=earlier.predicted + later.predicted,
+            )
+    return list(folded.values())
