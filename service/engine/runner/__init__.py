@@ -1,6 +1,7 @@
-"""Owns OpenVINO: loads the IR as a paged-attention model, holds the KV cache, runs one step.
+"""Owns OpenVINO: compiles the paged-attention model (graph.py makes it from the IR), holds the KV cache, runs
+one step.
 
-Nothing else in the project imports openvino at serving time.
+Nothing outside this package imports openvino at serving time.
 
 Deterministic steps (the default): every token a step computes goes to the model as a one-token sequence on
 its request's block table, whatever it is (a prompt token, a decoding token, a draft), and a step never
@@ -21,15 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import openvino as ov
-import openvino.opset13 as ops
-from openvino._offline_transformations import paged_attention_transformation
 
 from service.core.config import EngineConfig
-from service.engine.model_files import CONVERT_AGAIN, KV_CACHE_PREFIXES, PAGED_ATTENTION_INPUTS, UnreadableModel
+from service.engine.model_files import KV_CACHE_PREFIXES
+from service.engine.runner.graph import SAMPLED_ROWS, paged_model
 
 log = logging.getLogger(__name__)
 
-SAMPLED_ROWS = "sampled_rows"
 # The CPU plugin's matmuls compute a lone row (a step of one token) otherwise than rows beside others, and a
 # logits row alone otherwise too: a deterministic step and its logits have at least this many rows
 MIN_ROWS = 2
@@ -76,23 +75,6 @@ def available_cpus() -> int:
     return cpus
 
 
-def _read_ir(core: ov.Core, ir: Path) -> ov.Model:
-    """The IR, or UnreadableModel: OpenVINO's own reason is a page of frontend names (after other frontends'
-    parse errors on stderr), not what is wrong with the file. An IR's graph file is one <net> element: a file
-    that does not end with its closing tag is cut short or of another format, told before OpenVINO tries it."""
-    unreadable = UnreadableModel(
-        f"{ir} is not an OpenVINO model OpenVINO can read (damaged, cut short, or another format); {CONVERT_AGAIN}"
-    )
-    with ir.open("rb") as graph:
-        graph.seek(max(0, ir.stat().st_size - 64))
-        if not graph.read().rstrip().endswith(b"</net>"):
-            raise unreadable
-    try:
-        return core.read_model(ir)
-    except RuntimeError:
-        raise unreadable from None
-
-
 class ModelRunner:
     def __init__(self, ir: Path, config: EngineConfig) -> None:
         self.num_threads = config.threads or available_cpus()
@@ -101,10 +83,7 @@ class ModelRunner:
         # process); a value the operator set wins
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(config.kernel_cache_shapes))
         core = ov.Core()
-        model = _read_ir(core, ir)
-        paged_attention_transformation(model, False, False)
-        _gather_before_lm_head(model)
-        _check_inputs(model)
+        model = paged_model(core, ir)
         properties: dict[str, object] = {
             "INFERENCE_NUM_THREADS": self.num_threads,
             "ENABLE_CPU_PINNING": True,
@@ -120,13 +99,8 @@ class ModelRunner:
             "INFERENCE_PRECISION_HINT": config.inference_precision,
         }
         if config.kv_cache_precision == "u8":
-            # Each key quantized by itself, as values are. The plugin's default quantizes a block's keys by
-            # channel, with scales over the block's tokens that are redone as tokens are written: a token's key
-            # then depends on what was written later in its block, rejected drafts included (on SmolLM2,
-            # recomputing a position after writing it again moved its logits by up to 0.5), and on where prompt
-            # chunks ended. By token, a block's bytes depend only on its tokens; steps took the same time (8
-            # one-token sequences, 8 with 5 drafts, 256-token chunks) and greedy tokens matched an f16 cache's
-            # as often (1067 vs 1073 of 1127 positions).
+            # each key quantized by itself, as values are: a block's bytes then depend only on its tokens, not on
+            # what was written after them (rejected drafts) or where prompt pieces ended (docs/ENGINE.md)
             properties["KEY_CACHE_QUANT_MODE"] = "BY_TOKEN"
         if config.dq_group_size is not None:
             properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = config.dq_group_size
@@ -243,29 +217,3 @@ class ModelRunner:
         self.request.infer(inputs, share_inputs=True)
         logits: np.ndarray = self.request.get_output_tensor(0).data
         return StepReport(logits[:num_rows, -1, :], changed)
-
-
-def _gather_before_lm_head(model: ov.Model) -> None:
-    """Make the final MatMul see only the rows that will be sampled, not every prompt token."""
-    node = model.get_results()[0].input_value(0).get_node()
-    while node.get_type_name() != "MatMul":
-        if node.get_input_size() == 0:
-            raise ValueError("no MatMul found before the logits output")
-        node = node.input_value(0).get_node()
-    rows = ops.parameter([-1], ov.Type.i64, name=SAMPLED_ROWS)
-    rows.output(0).set_names({SAMPLED_ROWS})
-    hidden = node.input_value(0)
-    gathered = ops.gather(hidden, rows, ops.constant(0, ov.Type.i64))
-    node.input(0).replace_source_output(gathered.output(0))
-    model.add_parameters([rows])
-    model.validate_nodes_and_infer_types()
-
-
-def _check_inputs(model: ov.Model) -> None:
-    names = {n for i in model.inputs for n in i.get_names()}
-    missing = [n for n in PAGED_ATTENTION_INPUTS if n not in names]
-    if missing or not any(n.startswith("key_cache.") for n in names):
-        raise ValueError(
-            f"the model is not a paged-attention LLM after transformation: missing inputs "
-            f"{missing or ['key_cache.*']}; convert it with `python -m convert`"
-        )
