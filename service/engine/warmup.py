@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from statistics import median
 
 import numpy as np
 
@@ -74,17 +75,18 @@ def measure_step_times(
                 if i:
                     fastest[n] = min(fastest[n], time.perf_counter() - start)
     table.set(fastest)
-    # what a change of shape adds: steps alternating between the smallest and largest lone-request sizes, the
-    # least excess over the table counting (as for the table, other work on the machine only adds time)
+    # what a change of shape adds: steps alternating between the largest and smallest lone-request sizes (the
+    # largest first: the passes above end on the smallest, and a step of the last shape is no change), the
+    # median excess over the table counting: the change's own cost varies more than the steps' noise
     small, large = sizes[0], min(config.speculative_tokens + 1, sizes[-1])
     excess = []
     for i in range(4 * repeats):
-        n = large if i % 2 else small
+        n = small if i % 2 else large
         inputs = [StepInput([0] * n, context, blocks, n)]
         start = time.perf_counter()
         runner.execute(inputs)
         excess.append(time.perf_counter() - start - table.cost(n))
-    table.change_seconds = max(min(excess), 0.0)  # every alternating step pays a change; the rest is noise
+    table.change_seconds = max(median(excess), 0.0)
     log.info(
         "speculative decoding: steps take %s ms by tokens, a change of shape %.1f ms more",
         ", ".join(f"{n}: {1000 * s:.1f}" for n, s in table.seconds.items()),

@@ -5,9 +5,9 @@ nearly free in a small step, which is bound by reading the weights, and must be 
 one, which is bound by compute: each request in turn takes the k that gives the step the most tokens per
 second, its drafts' rows priced by the table (StepTimes) at the step's rows so far, their expected gain scaled
 by what drafts kept lately against what they were expected to keep (DraftPolicy.calibration). A step of other
-rows than the one before costs the CPU plugin a change of shape (StepTimes.change_seconds), so a lone request
-keeps the last step's rows unless the better numbers pay for that (choose). docs/SPECULATIVE.md has the
-measurements.
+rows than the one before costs the CPU plugin a change of shape (StepTimes.change_seconds), so a step of
+decoding requests keeps the last step's rows unless the better numbers pay for that (choose).
+docs/SPECULATIVE.md has the measurements.
 """
 
 from __future__ import annotations
@@ -144,8 +144,9 @@ class DraftPolicy:
     def choose(self, candidates: Sequence[Candidate], step: StepLoad) -> list[int]:
         """The number of drafts for each candidate, up to its limit: each in turn takes the number that gives
         the step the most expected tokens per second, its rows priced after the rows chosen before it. Where
-        those numbers change the rows of the last step of a lone decoding request, the step takes the numbers
-        that keep them instead, unless the change pays (HORIZON, CHANGES, regret)."""
+        those numbers change the rows of the last step of decoding requests, the step takes the numbers that
+        keep them instead, unless the change pays (a lone request: over HORIZON steps; several: within the
+        step) or the steps kept have given up as much (regret)."""
         scale = self.calibration()
         expected = []
         for stats, limit in candidates:
@@ -153,9 +154,7 @@ class DraftPolicy:
             expected.append([1 + scale * (e - 1) for e in stats.offered])
         best, best_rate, best_seconds = self._in_turn(expected, step)
         tokens = step.tokens + sum(best)
-        # rows are kept for a lone decoding request only: a step with a prompt piece takes the piece's shape anyway,
-        # and beside other sequences keeping rows filled steps with drafts past their guesses (docs/SPECULATIVE.md)
-        decoding = step.tokens == step.sequences == 1
+        decoding = step.tokens == step.sequences  # a step with a prompt piece takes the piece's shape anyway
         last, self.last = self.last, (step.sequences, tokens) if decoding else None
         room = None if last is None or not decoding or last[0] != step.sequences else last[1] - step.tokens
         if room is None or room == sum(best) or not 0 <= room <= sum(len(e) - 1 for e in expected):
@@ -164,7 +163,11 @@ class DraftPolicy:
         kept, kept_rate, kept_seconds = self._in_turn(expected, step, room)
         given_up = kept_seconds * (1 - kept_rate / best_rate)
         switch = self.CHANGES * self.times.change_cost(tokens)
-        if self.HORIZON * given_up > switch or self.regret + given_up > switch:
+        if step.sequences == 1:
+            pays = self.HORIZON * given_up > switch
+        else:  # several requests: the change must pay within the step (docs/SPECULATIVE.md)
+            pays = best_rate * best_seconds / (best_seconds + self.times.change_cost(tokens)) >= kept_rate
+        if pays or self.regret + given_up > switch:
             self.regret = 0.0
             return best
         self.regret += given_up
