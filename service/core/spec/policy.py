@@ -162,11 +162,12 @@ class DraftPolicy:
             return best
         kept, kept_rate, kept_seconds = self._in_turn(expected, step, room)
         given_up = kept_seconds * (1 - kept_rate / best_rate)
-        switch = self.CHANGES * self.times.change_cost(tokens)
+        change = self.times.change_cost(tokens)
+        switch = self.CHANGES * change
         if step.sequences == 1:
             pays = self.HORIZON * given_up > switch
         else:  # several requests: the change must pay within the step (docs/SPECULATIVE.md)
-            pays = best_rate * best_seconds / (best_seconds + self.times.change_cost(tokens)) >= kept_rate
+            pays = best_rate * best_seconds / (best_seconds + change) >= kept_rate
         if pays or self.regret + given_up > switch:
             self.regret = 0.0
             return best

@@ -16,14 +16,14 @@ SAMPLED_ROWS = "sampled_rows"
 
 def paged_model(core: ov.Core, ir: Path) -> ov.Model:
     """The IR as a paged-attention model whose logits are those of the SAMPLED_ROWS input's rows."""
-    model = read_ir(core, ir)
+    model = _read_ir(core, ir)
     paged_attention_transformation(model, False, False)
-    gather_before_lm_head(model)
-    check_inputs(model)
+    _gather_before_lm_head(model)
+    _check_inputs(model)
     return model
 
 
-def read_ir(core: ov.Core, ir: Path) -> ov.Model:
+def _read_ir(core: ov.Core, ir: Path) -> ov.Model:
     """The IR, or UnreadableModel: OpenVINO's own reason is a page of frontend names (after other frontends'
     parse errors on stderr), not what is wrong with the file. An IR's graph file is one <net> element: a file
     that does not end with its closing tag is cut short or of another format, told before OpenVINO tries it."""
@@ -40,7 +40,7 @@ def read_ir(core: ov.Core, ir: Path) -> ov.Model:
         raise unreadable from None
 
 
-def gather_before_lm_head(model: ov.Model) -> None:
+def _gather_before_lm_head(model: ov.Model) -> None:
     """Make the final MatMul see only the rows that will be sampled, not every prompt token."""
     node = model.get_results()[0].input_value(0).get_node()
     while node.get_type_name() != "MatMul":
@@ -56,7 +56,7 @@ def gather_before_lm_head(model: ov.Model) -> None:
     model.validate_nodes_and_infer_types()
 
 
-def check_inputs(model: ov.Model) -> None:
+def _check_inputs(model: ov.Model) -> None:
     names = {n for i in model.inputs for n in i.get_names()}
     missing = [n for n in PAGED_ATTENTION_INPUTS if n not in names]
     if missing or not any(n.startswith("key_cache.") for n in names):
