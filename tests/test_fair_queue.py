@@ -183,3 +183,44 @@ def test_every_block_comes_back_after_a_fair_preemption():
         step(s)
     assert not s.has_work() and s.kv.pool.num_free == 64
     assert s.num_preemptions >= 1
+
+
+def decoding(tenant: str = "flood", count: int = 4, fair: bool = True) -> Scheduler:
+    """count requests of one tenant decoding, with places to spare."""
+    s = scheduler(max_num_seqs=8, fair=fair)
+    for _ in range(count):
+        s.add(request(tenant, max_new_tokens=100))
+    step(s)
+    step(s)
+    assert len(s.running) == count and all(r.num_output_tokens == 2 for r in s.running)
+    return s
+
+
+def test_a_tenant_with_nothing_running_starts_in_a_step_of_its_own():
+    s = decoding()
+    light, other = request("light", n=6, max_new_tokens=3), request("other", n=5, max_new_tokens=3)
+    s.add(light)
+    s.add(other)
+    plan = step(s)
+    # both newcomers' prompts, and none of the flood's decoding rows beside them
+    assert [c.request for c in plan.chunks] == [light, other] and plan.num_tokens == 11
+    plan = step(s)
+    assert len(plan.chunks) == 6  # then everyone decodes together
+
+
+def test_a_tenant_with_a_request_running_takes_its_turn_beside_the_others():
+    s = decoding()
+    first = request("light", max_new_tokens=100)
+    s.add(first)
+    step(s)
+    second = request("light", n=6, max_new_tokens=3)
+    s.add(second)
+    plan = step(s)
+    assert second in [c.request for c in plan.chunks] and len(plan.chunks) == 6
+
+
+def test_no_step_of_its_own_without_fairness_or_with_one_tenant():
+    for s, newcomer in ((decoding(fair=False), request("light")), (decoding(), request("flood"))):
+        s.add(newcomer)
+        plan = step(s)
+        assert newcomer in [c.request for c in plan.chunks] and len(plan.chunks) == 5

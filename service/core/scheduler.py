@@ -10,7 +10,8 @@ run out the newest running request is preempted: its blocks are freed and it is 
 (mostly from the prefix cache). A waiting request whose tenant runs fewer requests than its share of
 max_num_seqs (by weight, among the tenants with work) takes the place of the newest running request of the
 tenant furthest over its share when there is no free place for it: one tenant's burst cannot hold every
-place while another's request waits.
+place while another's request waits. And a tenant's request that arrives while the tenant has nothing running
+starts in a step of its own, beside no other tenant's tokens (see _newcomers_alone).
 
 With a disk tier, a waiting request's prefix chain continues past its RAM hit into the disk, and with a
 remote tier past the disk into the fleet's store (tried rather than known: the fetch finds out how far the
@@ -261,6 +262,8 @@ class Scheduler:
         plan = StepPlan()
         self._drop_expired(plan)
         budget = self.max_num_batched_tokens
+        if self._newcomers_alone(budget, plan):
+            return plan
         speculate = self.speculative_tokens > 0 and self.policy.speculates(len(self.running))
         chosen_drafts = self._plan_drafts(budget) if speculate else {}
         # drafts never cut the prompt pieces of requests after them short: their room is held for them, and
@@ -297,6 +300,19 @@ class Scheduler:
             self._admit_waiting(budget, plan)
         return plan
 
+    def _newcomers_alone(self, budget: int, plan: StepPlan) -> bool:
+        """With fair admission, the waiting requests of tenants that have nothing running start in a step of
+        their own, beside no other tenant's tokens: a step of another tenant's many decoding rows costs several
+        times the newcomer's prompt alone, and its first token would wait for it. The running requests lose
+        one step per such arrival; a tenant's later requests, while it has some running, take their turn as
+        usual, and with one tenant (no keys file) this never happens. True when such a step was planned."""
+        if not (self.waiting.fair and self.running and self.waiting):
+            return False
+        idle = set(self.waiting.tenants()) - {r.tenant for r in self._growing()}
+        if idle:
+            self._admit_waiting(budget, plan, tenants=idle)
+        return bool(plan.chunks)
+
     @staticmethod
     def _piece(request: Request, start: int, budget: int) -> int:
         """How many tokens from `start` a request computes this step: the rest, as far as the budget allows."""
@@ -330,7 +346,7 @@ class Scheduler:
         plan.chunks = [c for c in plan.chunks if c.request is not request]
         return num_tokens
 
-    def _admit_waiting(self, budget: int, plan: StepPlan) -> None:
+    def _admit_waiting(self, budget: int, plan: StepPlan, tenants: set[str] | None = None) -> None:
         # admit only if every running (or soon running) request can still finish its prompt and take one more
         # block: otherwise a later step would preempt the newcomer and throw its prefill away (a newcomer's own
         # later pieces are not held for: waiting for them cost more steps than the preemptions it saved)
@@ -340,6 +356,8 @@ class Scheduler:
         for request in self.waiting:
             if budget <= 0:
                 break
+            if tenants is not None and request.tenant not in tenants:
+                continue
             if self._waits_for_leader(request):
                 continue
             if self._full():
