@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import replicas, run, sysinfo
+from bench import loopback, replicas, run, sysinfo
 from bench.chat_load import ChatClient, as_dicts, probe_prediction, run_level, served_model
 from bench.workload import Workload
 
@@ -278,7 +278,7 @@ class Served:
     def __init__(self, system: System, model: Path, work: Path, slots: int) -> None:
         self.system = system
         self.log = work / f"{system.name.replace(' ', '-')}.log"
-        self.port = replicas.free_port()
+        self.port = loopback.free_port()
         self.replicas: list[replicas.Replica] = []
         self.balancer: replicas.HAProxy | None = None
         if system.kind == "ovserve":

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from bench import grpc_load, run, workers
+from bench import grpc_load, loopback, run, workers
 
 
 class LoadClient:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(model: Path, concurrency: list[int], repeats: int, max_new: int, idle_client: bool) -> dict:
     ids, _ = run.tokenize(model, run.load_prompts())
     engine = workers.our_engine({"model": str(model), "budget": workers.budget_dict(workers.BUDGET)}, False)
-    port = grpc_load.free_port()
+    port = loopback.free_port()
     log_path = Path(tempfile.gettempdir()) / f"grpc-ab-server-{port}.log"
     budget = workers.budget_dict(engine.config)  # what both sides run with
     result: dict = {"model": str(model), "budget": budget, "max_new_tokens": max_new, "runs": {}}

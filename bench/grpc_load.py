@@ -14,7 +14,6 @@ import importlib
 import os
 import pkgutil
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from bench.loopback import free_port
 from service.core.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,12 +169,6 @@ def server_flags(config: EngineConfig) -> list[str]:
         elif value is not None:
             flags.append(f"--{flag}={value}")
     return [*flags, f"--metrics-port={free_port()}", f"--http-port={free_port()}"]  # as in production
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

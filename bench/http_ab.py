@@ -25,7 +25,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from bench import grpc_ab, grpc_load, run, workers
+from bench import grpc_ab, grpc_load, loopback, run, workers
 
 
 class HttpClient:
@@ -89,7 +89,7 @@ def client_main(grpc_port: int, http_port: int) -> int:
 def measure(model: Path, concurrency: list[int], repeats: int, max_new: int, idle_client: bool) -> dict:
     ids, _ = run.tokenize(model, run.load_prompts())
     engine = workers.our_engine({"model": str(model), "budget": workers.budget_dict(workers.BUDGET)}, False)
-    grpc_port, http_port = grpc_load.free_port(), grpc_load.free_port()
+    grpc_port, http_port = loopback.free_port(), loopback.free_port()
     flags = [*grpc_load.server_flags(engine.config), f"--http-port={http_port}"]  # the last --http-port wins
     log_path = Path(tempfile.gettempdir()) / f"http-ab-server-{grpc_port}.log"
     result: dict = {"model": str(model), "max_new_tokens": max_new, "client_sched_idle": idle_client, "runs": {}}

@@ -15,7 +15,7 @@ from pathlib import Path
 from statistics import mean, median
 from typing import TYPE_CHECKING
 
-from bench import grpc_load, sysinfo, workers
+from bench import grpc_load, loopback, sysinfo, workers
 from service.engine.model_files import IR_FILE, ModelFiles
 
 if TYPE_CHECKING:
@@ -310,7 +310,7 @@ def grpc_suite(
         (False, lambda port: _grpc_sweeps(api, port, ids, base["max_new_tokens"], progress, quick)),
         (True, lambda port: _grpc_multiturn(api, port, convs, progress, quick)),
     ):
-        port = grpc_load.free_port()
+        port = loopback.free_port()
         log_path = Path(tempfile.gettempdir()) / f"bench-server-{port}.log"
         try:
             flags = grpc_load.server_flags(replace(config, enable_prefix_caching=prefix_caching))

@@ -29,17 +29,10 @@ from statistics import median
 import httpx
 
 from bench import sysinfo
+from bench.loopback import free_port
 
 KEYS = {"flood": "flood-key-0123456789abcdef", "light": "light-key-0123456789abcdef"}
 MODES = {"fair": [], "fifo": ["--no-fair-admission"]}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

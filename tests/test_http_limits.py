@@ -13,6 +13,7 @@ import pytest
 
 from service.config import ServerConfig
 from service.process import Server
+from tests.support.servers import free_port
 
 HEAD_SECONDS = 2.0
 BODY_SECONDS = 1.0
@@ -78,12 +79,6 @@ def patient():
     """Silent connections stay open long enough to open CAP of them on a busy host (their deadline, not the
     cap, closed some in a run beside other tests)."""
     yield from serve(60.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def closed_by_server(s: socket.socket) -> bool:

@@ -99,7 +99,6 @@ class Engine:
         schema takes milliseconds). With active tools the reply's calls come back parsed, as increments in each
         output's tool_calls. A reply that may reason (asked.reasoning) has its reasoning block returned apart, in
         each output's reasoning, and a format applies after the block."""
-        self.intake.check_n(asked.n)
         shape = await self.intake.shape(asked)
         requests = self.intake.requests(
             asked,

@@ -52,7 +52,7 @@ class Intake:
         self.config, self.info, self.tokenizer, self.grammars = config, info, tokenizer, grammars
         self._ids = itertools.count(1)  # request ids: the engine's keys, never the caller's label
 
-    def check_n(self, n: int) -> None:
+    def _check_n(self, n: int) -> None:
         if not 1 <= n <= self.config.max_n:
             raise InvalidArgument("n", f"must be in [1, {self.config.max_n}] (the server's --max-n), got {n}")
         held = self.config.max_num_seqs + self.config.max_queue
@@ -61,8 +61,10 @@ class Intake:
             raise InvalidArgument("n", f"must be at most {held} here: the server holds no more requests ({limits})")
 
     async def shape(self, asked: GenerationRequest) -> Shape:
-        """The reply's grammar, compiled off the caller's event loop (a large schema takes milliseconds): a
-        response format, or the tools' calls; after the reasoning block when the reply may reason."""
+        """n checked, then the reply's grammar, compiled off the caller's event loop (a large schema takes
+        milliseconds) once for each of the n candidates: a response format, or the tools' calls; after the
+        reasoning block when the reply may reason."""
+        self._check_n(asked.n)
         response_format, call_ids = asked.response_format, None
         if asked.tools is not None and asked.tools.active:
             if response_format is not None:
