@@ -145,12 +145,9 @@ async def run_mode(model: str, mode: str, args: argparse.Namespace, folder: Path
             scraped.append(await server_side(client, server.metrics_port))
             started = time.perf_counter()
             prompts = [f"[{mode} flood {i}] Tell a long story about a lighthouse keeper." for i in range(args.flood)]
-            if args.flood_client == "process":
-                flood = asyncio.get_running_loop().run_in_executor(
-                    pool, flood_client, server.port, prompts, args.flood_max_tokens
-                )
-            else:  # the light tenant's event loop also reads the flood's streams
-                flood = asyncio.ensure_future(flood_requests(server.port, prompts, args.flood_max_tokens))
+            flood = asyncio.get_running_loop().run_in_executor(
+                pool, flood_client, server.port, prompts, args.flood_max_tokens
+            )
             await asyncio.sleep(0.5)  # the flood is queued first
             loaded = await light_requests(
                 client, server.port, 10_000, args.light_max_tokens, f"{mode} loaded", until=flood
@@ -163,7 +160,6 @@ async def run_mode(model: str, mode: str, args: argparse.Namespace, folder: Path
         server.stop()
     return {
         "mode": mode,
-        "flood_client": args.flood_client,
         "idle_ttft": idle,
         "loaded_ttft": loaded,
         "idle_median": median(idle),
@@ -191,7 +187,6 @@ def report(results: list[dict]) -> str:
         return "-" if v is None else f"{v * 1000:.0f}"
 
     for r in results:
-        name = f"{r['mode']}, flood client: {r.get('flood_client', 'shared')}"
         idle, loaded = r.get("server_idle") or {}, r.get("server_loaded") or {}
         server = (
             f"{ms(idle.get('ttft'))} / {ms(loaded.get('ttft'))} ms; {ms(idle.get('queue'))} / "
@@ -199,11 +194,11 @@ def report(results: list[dict]) -> str:
         )
         if r["loaded_median"] is None:
             lines.append(
-                f"| {name} | {r['idle_median'] * 1000:.0f} ms | no light request during the flood | | | {server} |"
+                f"| {r['mode']} | {r['idle_median'] * 1000:.0f} ms | no light request during the flood | | | {server} |"
             )
             continue
         lines.append(
-            f"| {name} | {r['idle_median'] * 1000:.0f} ms | {r['loaded_median'] * 1000:.0f} / "
+            f"| {r['mode']} | {r['idle_median'] * 1000:.0f} ms | {r['loaded_median'] * 1000:.0f} / "
             f"{r['loaded_worst'] * 1000:.0f} ms ({len(r['loaded_ttft'])} requests) | {r['ratio_median']:.2f}x / "
             f"{r['ratio_worst']:.2f}x | {r['flood_served']} served in {r['flood_seconds']:.1f} s | {server} |"
         )
@@ -218,12 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--light-requests", type=int, default=10, help="idle-server requests of the light tenant")
     p.add_argument("--light-max-tokens", type=int, default=16)
     p.add_argument("--modes", default="fair,fifo", help="comma-separated: fair, fifo")
-    p.add_argument(
-        "--flood-client",
-        choices=["process", "shared"],
-        default="process",
-        help="read the flood's streams in a process of their own (default) or in the light tenant's event loop",
-    )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     results = []
