@@ -117,6 +117,28 @@ def test_speculation_does_not_change_a_reply(served, kind):
         assert engine.stats().num_draft_tokens > drafted  # drafts were verified (sampled ones get none)
 
 
+def test_the_next_turn_reads_the_last_reply_from_the_cache_and_replies_as_cold(served):
+    """A conversation's second turn finds the first turn's prompt and reply in the cache (the reply was computed
+    one token a step, and a cold prompt computes an assistant's turn the same way), and replies what the same
+    prompt replies cold."""
+    engine, _, _ = served
+    params = SamplingParams(max_new_tokens=64)
+    first = [{"role": "user", "content": "Give me five tips for writing a clear email, one line each."}]
+    prompt = engine.tokenizer.encode_chat(first)
+    answer = asyncio.run(reply(engine, prompt, params))
+    conversation = [
+        *first,
+        {"role": "assistant", "content": engine.tokenizer.decode(answer)},
+        {"role": "user", "content": "Now make the third tip shorter."},
+    ]
+    turn = engine.tokenizer.encode_chat(conversation)
+    hits = engine.stats().num_cached_prompt_tokens
+    warm = asyncio.run(reply(engine, turn, params))
+    reused = engine.stats().num_cached_prompt_tokens - hits
+    assert reused > len(prompt) + engine.info.block_size  # a block past the first prompt: the reply's
+    assert warm == asyncio.run(reply(engine, turn, params, salt="cold-turn"))
+
+
 def test_a_restored_prefix_gives_the_cold_reply(served, smollm2_ir, tmp_path):
     """A server computes the prompts and stops; after a restart on the same disk folder their blocks come from
     disk, and the replies are the cold ones."""

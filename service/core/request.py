@@ -138,6 +138,11 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None  # set when it finished normally (not on errors or expiry)
     num_computed_tokens: int = 0
+    # deterministic steps: 1 for each prompt token fed as a one-token row, 0 for one read in a piece (reply tokens
+    # are rows); None with fast steps, which feed each chunk whole (core/feed.py)
+    rows: bytearray | None = None
+    # tokens from this position on are never cached: a reply's rows that a prompt repeating them reads in pieces
+    cache_limit: int | None = None
     num_cached_tokens: int = 0  # prompt tokens not computed at first admission: found in RAM or restored
     num_restored_tokens: int = 0  # of those, the ones restored from the disk tier
     num_remote_tokens: int = 0  # of those, the ones fetched from the remote tier (the fleet's store)

@@ -39,6 +39,7 @@ from typing import Protocol
 
 from service.core.config import EngineConfig
 from service.core.fair_queue import FairQueue
+from service.core.feed import Feed, can_start, fit, segments
 from service.core.kv_cache import KVCacheManager, PrefixHit
 from service.core.outputs import FinishReason
 from service.core.request import Request, Status
@@ -68,6 +69,18 @@ class ScheduledChunk:
     @property
     def num_logits(self) -> int:
         return 1 + len(self.drafts) if self.sample else 0
+
+    def feeds(self) -> list[tuple[list[int], int, int, bool]]:
+        """The chunk's runs of tokens fed alike (core/feed.py): their ids, first position, logits rows wanted of
+        their last tokens, and whether the run is read in a piece (else as one-token rows; drafts are rows)."""
+        tokens = self.token_ids
+        runs = [
+            (tokens[first - self.start : first - self.start + length], first, 0, piece)
+            for first, length, piece in segments(self.request.rows, self.start, self.num_tokens)
+        ]
+        ids, first, _, piece = runs[-1]
+        runs[-1] = (ids, first, self.num_logits, piece)
+        return runs
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,7 @@ class Scheduler:
         proposer: Proposer | None = None,
         disk: DiskLookup | None = None,
         step_times: StepTimes | None = None,
+        feed: Feed | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.speculative_tokens = config.speculative_tokens
@@ -139,6 +153,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = kv
+        self.feed = feed  # deterministic steps: which tokens are rows, which pieces (None: fast steps)
         self.requests: dict[int, Request] = {}  # every request not finished, by id
         self.waiting = FairQueue(config.fair_admission)
         self.running: list[Request] = []
@@ -158,6 +173,9 @@ class Scheduler:
             raise ValueError(f"request id {request.id} is already in the scheduler")
         self.requests[request.id] = request
         request.draft_stats = self.policy.new_stats()
+        if self.feed is not None:
+            request.rows, replies = self.feed.rows(request.prompt_token_ids)
+            request.cache_limit = None if replies else request.num_prompt_tokens
         self.waiting.add(request)
 
     def has_work(self) -> bool:
@@ -189,8 +207,7 @@ class Scheduler:
         request = load.request
         num_restored = num_loaded * self.kv.block_size
         if request.status is Status.FINISHED:  # aborted or expired while loading: keep what was restored
-            num_tokens = request.num_computed_tokens + num_restored
-            self.kv.cache_full_blocks(request.id, request.all_token_ids, num_tokens, request.cache_salt)
+            self._cache_blocks(request, request.num_computed_tokens + num_restored)
             self.kv.free(request.id)
             return
         if load.first:  # usage promised every block; take back what could not be restored
@@ -201,7 +218,14 @@ class Scheduler:
         request.num_computed_tokens += num_restored
         self.num_restored_tokens += num_restored - num_remote * self.kv.block_size
         self.num_remote_tokens += num_remote * self.kv.block_size
-        self.kv.cache_full_blocks(request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt)
+        self._cache_blocks(request, request.num_computed_tokens)
+        # a restore that ends one token before the end of a piece run gives its last block back: that token is
+        # read in a piece with the one before it (the prefix hit it started from was a place to start)
+        while request.rows is not None and not can_start(request.rows, request.num_computed_tokens):
+            request.num_computed_tokens -= self.kv.block_size
+            if load.first:
+                request.num_cached_tokens -= self.kv.block_size
+                request.num_restored_tokens -= self.kv.block_size
         self.kv.trim(request.id, request.num_computed_tokens)
         request.status = Status.RUNNING
         self.running.append(request)
@@ -237,9 +261,7 @@ class Scheduler:
                 request.num_computed_tokens += chunk.num_tokens
             if chunk.sample:  # the request's watched guess, checked against what it generated
                 request.draft_stats.settle(request.all_token_ids)
-            self.kv.cache_full_blocks(
-                request.id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
-            )
+            self._cache_blocks(request, request.num_computed_tokens)
             if reason is not None:
                 self.finish(request, reason)
                 finished.append(request)
@@ -249,6 +271,8 @@ class Scheduler:
         if token_ids and request.first_token_time is None:
             request.first_token_time = now
         for token_id in token_ids:
+            if self.feed is not None and request.cache_limit is None and self.feed.ends_turn(token_id):
+                request.cache_limit = request.num_tokens
             request.append_token(token_id)
             if request.matcher is not None:
                 request.matcher.advance(token_id)
@@ -315,8 +339,25 @@ class Scheduler:
 
     @staticmethod
     def _piece(request: Request, start: int, budget: int) -> int:
-        """How many tokens from `start` a request computes this step: the rest, as far as the budget allows."""
-        return min(request.num_tokens - start, budget)
+        """How many tokens from `start` a request computes this step: the rest, as far as the budget allows
+        without leaving a one-token piece (core/feed.py)."""
+        num_tokens = min(request.num_tokens - start, budget)
+        return num_tokens if request.rows is None else fit(request.rows, start, num_tokens)
+
+    def _cache_blocks(self, request: Request, num_computed: int) -> None:
+        """Register the full blocks of a request's first num_computed tokens in the prefix cache, up to its
+        cache_limit."""
+        if request.cache_limit is not None:
+            num_computed = min(num_computed, request.cache_limit)
+        self.kv.cache_full_blocks(request.id, request.all_token_ids, num_computed, request.cache_salt)
+
+    def _find_prefix(self, request: Request) -> PrefixHit:
+        """The request's cached prefix, ending where it may start computing (core/feed.py: can_start)."""
+        hit = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
+        while request.rows is not None and hit.blocks and not can_start(request.rows, hit.num_tokens):
+            hit.blocks.pop()
+            hit.num_tokens -= self.kv.block_size
+        return hit
 
     @staticmethod
     def _prefills(request: Request) -> bool:
@@ -360,12 +401,14 @@ class Scheduler:
                 continue
             if self._waits_for_leader(request):
                 continue
+            prefix = self._find_prefix(request)
+            if self._piece(request, prefix.num_tokens, budget) == 0:
+                break  # the budget left cannot start it without a one-token piece
             if self._full():
                 budget += self._make_place(request, plan) or 0
                 if self._full():
                     break
                 keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
-            prefix = self.kv.find_prefix(request.id, request.all_token_ids, request.cache_salt)
             below = self._below_ram(request, prefix.num_tokens)
             if below is None:
                 continue  # another request is restoring its blocks: it waits for that load to end

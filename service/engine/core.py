@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from service.core.config import EngineConfig
+from service.core.feed import Feed
 from service.core.kv_cache import KVCacheManager
 from service.core.outputs import FinishReason
 from service.core.request import Request
@@ -46,12 +47,18 @@ class EngineCore:
         config: EngineConfig,
         publish: Publish,
         on_death: Callable[[BaseException], None],
+        turn_marks: tuple[tuple[int, ...], int | None] = ((), None),
     ) -> None:
+        """turn_marks: the chat template's assistant header and end-of-turn token (Tokenizer.turn_marks)."""
         self.config = config
         self.runner = ModelRunner(model.ir, config)
         capacity = self.runner.num_blocks * self.runner.block_size
         context = model.context_length or capacity
         self.max_model_len = min(config.max_model_len or context, context, capacity)
+        feed = None
+        if config.deterministic:
+            self.runner.reads_pieces = warmup.check_pieces(self.runner)
+            feed = Feed(*turn_marks, pieces=self.runner.reads_pieces)
         identity = kv_identity(model, config, self.runner.cache_format)
         self.kv = KVCacheManager(
             self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching, identity=identity
@@ -60,7 +67,9 @@ class EngineCore:
         self.tiers = build_tiers(config, identity, self.runner.cache_arrays(), self._commands.put)
         # the draft policy's table of step times, measured at warm-up
         self.step_times = StepTimes()
-        self.scheduler = Scheduler(config, self.kv, self.max_model_len, disk=self.tiers, step_times=self.step_times)
+        self.scheduler = Scheduler(
+            config, self.kv, self.max_model_len, disk=self.tiers, step_times=self.step_times, feed=feed
+        )
         self.info = ModelInfo(
             model_id=model.model_id,
             model_dir=str(model.path),
@@ -233,7 +242,13 @@ class EngineCore:
     def _run_plan(self, plan: StepPlan, clock: StageClock) -> list[EngineOutput]:
         sampled = [c for c in plan.chunks if c.sample]
         pending = self.masks.start(sampled)  # computed while the model runs
-        report = self.runner.step([StepInput(c.token_ids, c.start, c.block_ids, c.num_logits) for c in plan.chunks])
+        report = self.runner.step(
+            [
+                StepInput(ids, start, c.block_ids, logits, piece)
+                for c in plan.chunks
+                for ids, start, logits, piece in c.feeds()
+            ]
+        )
         self.book.num_shape_changes += report.shape_changed
         clock.lap("execute")
         by_id = {}

@@ -49,7 +49,7 @@ class Engine:
             raise ValueError("; ".join(problems))
         self.model = ModelFiles.read(model_dir)
         self.tokenizer = Tokenizer(self.model.path, Path(config.chat_template) if config.chat_template else None)
-        self.core = EngineCore(self.model, config, self._publish, self._core_died)
+        self.core = EngineCore(self.model, config, self._publish, self._core_died, self.tokenizer.turn_marks())
         self.info: ModelInfo = self.core.info
         if self.tokenizer.max_token_id >= self.info.vocab_size:
             raise ValueError(

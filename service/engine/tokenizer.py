@@ -130,6 +130,27 @@ class Tokenizer:
             **options,
         )
 
+    def turn_marks(self) -> tuple[tuple[int, ...], int | None]:
+        """The token ids the chat template writes before an assistant's reply (its header) and the token that ends
+        the reply's turn: ((), None) without a template, or when a rendering does not show them."""
+        if self._template is None:
+            return (), None
+        user = [{"role": "user", "content": "x"}]
+        try:
+            asked = self._template.render(messages=user, add_generation_prompt=False, **self._special)
+            opened = self._template.render(messages=user, add_generation_prompt=True, **self._special)
+            replied = self._template.render(
+                messages=[*user, {"role": "assistant", "content": "y"}], add_generation_prompt=False, **self._special
+            )
+        except jinja2.TemplateError:
+            return (), None
+        if not (opened.startswith(asked) and replied.startswith(opened + "y") and len(opened) > len(asked)):
+            return (), None
+        header = _ids(self._tok, opened[len(asked) :], False)
+        after = _ids(self._tok, replied[len(opened) + 1 :], False)
+        end = after[0] if after and self._tok.id_to_token(after[0]) in self._special_texts else None
+        return tuple(header), end
+
     def encode_chat(
         self,
         messages: Sequence[dict[str, Any]],

@@ -50,6 +50,44 @@ def check_rows(runner: ModelRunner, config: EngineConfig) -> None:
         )
 
 
+def check_pieces(runner: ModelRunner) -> bool:
+    """Whether this CPU reads prompt pieces cut-invariantly, which deterministic steps need to read prompts in
+    pieces (core/feed.py): a prompt a block and three tokens long, fed as one piece, as pieces of two tokens at
+    its ends, and as pieces cut across the block boundary beside another sequence's row, gives the same keys and
+    values and the same last logits, bit for bit. False (every token a row) when it does not, or when the cache
+    has too few blocks to check (before any request: the blocks are overwritten later)."""
+    bs = runner.block_size
+    length = bs + 3
+    blocks = list(range(-(-length // bs)))
+    if runner.num_blocks < len(blocks) + 1:
+        return False
+    prompt = [1 + 7 * i % min(1000, runner.vocab_size - 1) for i in range(length)]
+
+    def read(cuts: list[int], beside: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The last logits and the full block's keys and values."""
+        bounds = [0, *cuts, length]
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            seqs = [StepInput(prompt[start:end], start, blocks, int(end == length), piece=True)]
+            if beside:
+                seqs.append(StepInput([5], 3, [len(blocks)], 0))
+            logits = runner.execute(seqs)
+        return np.array(logits[0]), [a[: length // bs].copy() for a in runner.cache_arrays()]
+
+    first, *others = [read([], False), read([2, length - 2], False), read([bs - 1, bs + 1], True)]
+    same = all(
+        np.array_equal(first[0], logits) and all(np.array_equal(a, b) for a, b in zip(first[1], kv, strict=True))
+        for logits, kv in others
+    )
+    if same:
+        log.info("prompt pieces are cut-invariant on this CPU: deterministic steps read prompts in pieces")
+    else:
+        log.warning(
+            "prompt pieces are not cut-invariant on this CPU: deterministic steps feed every token as a one-token "
+            "row (reproducible, slower prompts; --no-deterministic reads them in pieces)"
+        )
+    return same
+
+
 def measure_step_times(
     runner: ModelRunner, config: EngineConfig, table: StepTimes, repeats: int = 3, passes: int = 2
 ) -> None:

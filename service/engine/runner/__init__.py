@@ -4,11 +4,13 @@ one step.
 Nothing outside this package imports openvino at serving time.
 
 Deterministic steps (the default): every token a step computes goes to the model as a one-token sequence on
-its request's block table, whatever it is (a prompt token, a decoding token, a draft), and a step never
-holds fewer than two such rows. The plugin's attention writes every new key and value before it reads any,
-so each row sees the ones before it, and every row is then computed by the same kernels: its logits depend
-on its token, its position and the cache before it, not on how its prompt was cut, what was cached, what
-shares its step or whether drafts were verified (docs/API.md, "Reproducible replies").
+its request's block table (a decoding token, a draft, a prompt token of an assistant's turn), except the
+prompt pieces the scheduler marks (at least two tokens each, where the engine's start-up check found pieces
+cut-invariant on this CPU: core/feed.py), and a step never holds fewer than two rows. The plugin's attention
+writes every new key and value before it reads any, so each row sees the ones before it, and every row is
+then computed by the same kernels: its logits depend on its token, its position and the cache before it, not
+on how its prompt was cut, what was cached, what shares its step or whether drafts were verified (docs/API.md,
+"Reproducible replies").
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class StepInput:
     past_len: int
     block_ids: Sequence[int]
     num_logits: int  # logits rows wanted: of its last num_logits tokens (0: none, 1: the last token)
+    piece: bool = False  # deterministic steps: read whole (at least two tokens), not as one-token rows
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,19 @@ class StepReport:
 
 
 def as_rows(seqs: Sequence[StepInput]) -> list[StepInput]:
-    """Each token of these sequences as a one-token sequence on its block table, the wanted logits rows kept."""
+    """Each token of these sequences as a one-token sequence on its block table, the wanted logits rows kept;
+    pieces stay whole."""
     return [
-        StepInput([token], s.past_len + i, s.block_ids, int(i >= len(s.token_ids) - s.num_logits))
+        row
         for s in seqs
-        for i, token in enumerate(s.token_ids)
+        for row in (
+            [s]
+            if s.piece
+            else [
+                StepInput([token], s.past_len + i, s.block_ids, int(i >= len(s.token_ids) - s.num_logits))
+                for i, token in enumerate(s.token_ids)
+            ]
+        )
     ]
 
 
@@ -79,6 +90,9 @@ class ModelRunner:
     def __init__(self, ir: Path, config: EngineConfig) -> None:
         self.num_threads = config.threads or available_cpus()
         self.deterministic = config.deterministic
+        # deterministic steps read the pieces the scheduler marks whole: set by the engine's start-up check of
+        # this CPU (warmup.check_pieces), before any request, since the cache's numbers depend on it
+        self.reads_pieces = False
         # oneDNN reads its cache size from the environment when the CPU plugin first uses it (one value per
         # process); a value the operator set wins
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(config.kernel_cache_shapes))
@@ -145,6 +159,8 @@ class ModelRunner:
             for p in self._cache_inputs()
         )
         steps = "one-token rows" if self.deterministic else "pieces"
+        if self.deterministic and self.reads_pieces:
+            steps = "prompt pieces, reply rows"
         return f"openvino {ov.get_version()}; activations {self.activation_precision}; {steps}; {ports}"
 
     def _cache_layout(self) -> tuple[int, int]:
@@ -172,12 +188,12 @@ class ModelRunner:
         return self.step(seqs).logits
 
     def step(self, seqs: Sequence[StepInput]) -> StepReport:
-        """Run one step: deterministic, every token as a one-token row and at least MIN_ROWS of them (a padding
-        row on pad_block, whose logits nobody reads); fast, each sequence as it comes."""
+        """Run one step: deterministic, every token as a one-token row but the marked pieces and at least
+        MIN_ROWS tokens (a padding row on pad_block, whose logits nobody reads); fast, each sequence as it comes."""
         num_rows = sum(s.num_logits for s in seqs)
         if self.deterministic:
             seqs = as_rows(seqs)
-            if len(seqs) < MIN_ROWS:
+            if sum(len(s.token_ids) for s in seqs) < MIN_ROWS:
                 seqs = [*seqs, StepInput([0], 0, [self.pad_block], 0)]
         if all(len(s.token_ids) == 1 for s in seqs):
             # The plugin's PagedAttention sums the attention of fewer one-token rows than threads (a request
