@@ -69,7 +69,12 @@ def test_minus_100_bans_a_token_the_greedy_reply_uses_and_plus_100_forces_one(cl
     assert list(forced.token_ids) == [forced_id] * 10
     # the same through the openai SDK (ids as string keys), on the same engine
     over_http = sdk.chat.completions.create(
-        model=model, messages=messages, max_tokens=10, temperature=0, logit_bias={str(used): -100}
+        model=model,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        logit_bias={str(used): -100},
+        extra_body={"ignore_eos": True},
     )
     assert over_http.choices[0].message.content == banned.text
     wait_idle(server.engine)
