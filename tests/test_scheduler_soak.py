@@ -9,12 +9,15 @@ import random
 import pytest
 
 from service.core.config import EngineConfig
+from service.core.feed import Feed
 from service.core.kv_cache import KVCacheManager
 from service.core.params import SamplingParams
 from service.core.request import Request, Status
 from service.core.scheduler import Scheduler
 
 BS = 4
+# deterministic steps' feed over this traffic's tokens: replies (tokens below 97) often hold the header and the end
+FEED = Feed(header=(5,), end=7)
 PREFIXES = [list(range(1000 * k, 1000 * k + n)) for k, n in ((1, 9), (2, 16), (3, 5))]
 
 
@@ -51,7 +54,10 @@ def _run_chunk(chunk, memory: dict[int, list[int | None]]) -> None:
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix", "no-prefix"])
 @pytest.mark.parametrize("num_tenants", [1, 3], ids=["one-tenant", "tenants"])
-def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, prefix_caching: bool, num_tenants: int):
+@pytest.mark.parametrize("feed", [None, FEED], ids=["fast", "rows-and-pieces"])
+def test_random_traffic_keeps_kv_consistent_and_frees_every_block(
+    seed: int, prefix_caching: bool, num_tenants: int, feed: Feed | None
+):
     """With several tenants (weights, priorities) fair admission preempts too: the same must hold."""
     rng = random.Random(seed)
     weights = [rng.choice([0.5, 1.0, 3.0]) for _ in range(num_tenants)]
@@ -60,6 +66,7 @@ def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, pre
         EngineConfig(max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([8, 16, 64])),
         KVCacheManager(num_blocks, BS, prefix_caching),
         max_model_len=num_blocks * BS,
+        feed=feed,
     )
     memory: dict[int, list[int | None]] = {b: [None] * BS for b in range(num_blocks)}
     targets: dict[int, int] = {}
@@ -87,6 +94,8 @@ def test_random_traffic_keeps_kv_consistent_and_frees_every_block(seed: int, pre
         _check_tables(s)
         for chunk in plan.chunks:
             _run_chunk(chunk, memory)
+            if feed is not None:
+                assert all(not piece or len(ids) >= 2 for ids, _, _, piece in chunk.feeds()), "a one-token piece"
         finished += s.update(plan, [[_next_token(r)] for r in plan.sampled])
         if i >= 300 and not s.has_work():
             break

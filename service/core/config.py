@@ -22,6 +22,15 @@ def setting(default: Any, help: str, choices: tuple[str, ...] | None = None, sec
     return field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
 
 
+# The smallest step budget: a run of prompt tokens read in pieces of at least two (core/feed.py) always fits
+MIN_STEP_TOKENS = 4
+# Step budgets without --max-num-batched-tokens: deterministic steps take the largest of STEP_BUDGETS at which the
+# start-up check finds rows computed alike (warmup.choose_budget), else SAFE_STEP_TOKENS, the largest at which the
+# CPU plugin's matmuls kept their kernels on every CPU measured; fast steps take the largest
+STEP_BUDGETS = (128, 256, 512)
+SAFE_STEP_TOKENS = 80
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Defaults suit a 2-core box; on a 32-core server raise kv_cache_gb, max_num_seqs and
@@ -32,10 +41,10 @@ class EngineConfig:
     kv_cache_precision: str = setting("u8", "KV cache element type", ("u8", "f16", "f32"))
     deterministic: bool = setting(
         True,
-        "reproducible replies: every token is computed as a one-token row, so a greedy or seeded reply does not "
-        "depend on what was cached, how its prompt was cut, what shares its steps, speculation or preemption "
-        '(docs/API.md, "Reproducible replies"). --no-deterministic feeds prompt pieces whole: faster prompts '
-        "(docs/BENCH.md), replies that move with load and cache state",
+        "reproducible replies: how each token is fed (a one-token row, or in a prompt piece of two or more) depends "
+        "on the tokens alone, so a greedy or seeded reply does not depend on what was cached, how its prompt was "
+        'cut, what shares its steps, speculation or preemption (docs/API.md, "Reproducible replies"). '
+        "--no-deterministic feeds each chunk whole: replies that move with load and cache state",
     )
     inference_precision: str = setting(
         "f32",
@@ -50,11 +59,13 @@ class EngineConfig:
         "64 measured 5-10%% faster with slightly larger logit error; 0 turns it off)",
     )
     max_num_seqs: int = setting(32, "requests generated together at most")
-    max_num_batched_tokens: int = setting(
-        80,
-        "tokens per engine step at most (prompt tokens, decode tokens and drafts). Deterministic replies need "
-        "every step computed by the same kernels: from 81 tokens a step the CPU plugin's matmuls switched to "
-        "others on the CPUs measured, and the warm-up warns when this budget's rows differ from a small step's",
+    max_num_batched_tokens: int | None = setting(
+        None,
+        "tokens per engine step at most (prompt tokens, decode tokens and drafts). Default: 512, or with "
+        "deterministic steps the largest of 128, 256 and 512 at which the start-up check finds a step's rows "
+        "computed as in a step of two, else 80 (reproducible replies need every step computed by the same "
+        "kernels: the CPU plugin's matmuls switched kernels at 81 tokens a step on AVX2 CPUs); the warm-up warns "
+        "when a budget set here computes rows otherwise",
     )
     max_model_len: int | None = setting(None, "context limit (default: the model's, capped by what the KV cache holds)")
     chat_template: str | None = setting(
@@ -143,7 +154,10 @@ class EngineConfig:
             (self.kv_cache_gb > 0, "kv_cache_gb must be > 0"),
             (self.dq_group_size is None or self.dq_group_size >= 0, "dq_group_size must be >= 0 (0 turns it off)"),
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
-            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+            (
+                self.max_num_batched_tokens is None or self.max_num_batched_tokens >= MIN_STEP_TOKENS,
+                f"max_num_batched_tokens must be at least {MIN_STEP_TOKENS} (a prompt piece is at least two tokens)",
+            ),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be at least 2"),
             (self.max_queue >= 0, "max_queue must be >= 0"),
             (self.max_n >= 1, "max_n must be at least 1"),

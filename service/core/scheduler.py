@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.core.config import EngineConfig
+from service.core.config import SAFE_STEP_TOKENS, EngineConfig
 from service.core.fair_queue import FairQueue
 from service.core.feed import Feed, can_start, fit, segments
 from service.core.kv_cache import KVCacheManager, PrefixHit
@@ -150,7 +150,8 @@ class Scheduler:
         # the engine's warm-up fills step_times (the policy's table)
         self.policy = DraftPolicy(config.speculative_max_seqs, step_times)
         self.step_times = self.policy.times
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # the engine resolves the default before it makes the scheduler (warmup.choose_budget)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or SAFE_STEP_TOKENS
         self.max_model_len = max_model_len
         self.kv = kv
         self.feed = feed  # deterministic steps: which tokens are rows, which pieces (None: fast steps)

@@ -50,8 +50,9 @@ class EngineCore:
         turn_marks: tuple[tuple[int, ...], int | None] = ((), None),
     ) -> None:
         """turn_marks: the chat template's assistant header and end-of-turn token (Tokenizer.turn_marks)."""
-        self.config = config
         self.runner = ModelRunner(model.ir, config)
+        budget = config.max_num_batched_tokens or warmup.choose_budget(self.runner)
+        self.config = config = replace(config, max_num_batched_tokens=budget)
         capacity = self.runner.num_blocks * self.runner.block_size
         context = model.context_length or capacity
         self.max_model_len = min(config.max_model_len or context, context, capacity)
@@ -82,7 +83,7 @@ class EngineCore:
             num_kv_blocks=self.runner.num_blocks,
             block_size=self.runner.block_size,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             sampling_defaults=tuple(model.sampling_defaults.items()),
         )
         log.info(

@@ -10,7 +10,7 @@ from statistics import median
 
 import numpy as np
 
-from service.core.config import EngineConfig
+from service.core.config import SAFE_STEP_TOKENS, STEP_BUDGETS, EngineConfig
 from service.core.spec import StepTimes
 from service.engine.runner import ModelRunner, StepInput
 
@@ -22,13 +22,41 @@ LARGER_STEPS = (16, 24, 32, 48, 64)
 CONTEXT = 128
 
 
+def rows_alike(runner: ModelRunner, num_tokens: int) -> bool:
+    """Whether a step of num_tokens one-token rows (a prompt from position 0 on the first blocks, before any
+    request has them) computes its last two rows as a step of those two does."""
+    prompt = [1 + i % min(1000, runner.vocab_size - 1) for i in range(num_tokens)]
+    blocks = list(range(-(-num_tokens // runner.block_size)))
+    full = runner.execute([StepInput(prompt, 0, blocks, num_tokens)])[-2:].copy()
+    return np.array_equal(full, runner.execute([StepInput(prompt[-2:], num_tokens - 2, blocks, 2)]))
+
+
+def choose_budget(runner: ModelRunner) -> int:
+    """The step budget when none is set: fast steps the largest of STEP_BUDGETS; deterministic steps the largest
+    below which no step checked, from SAFE_STEP_TOKENS + 1 (where the matmuls of AVX2 CPUs switch kernels) up
+    through STEP_BUDGETS, computes rows otherwise than a step of two, else SAFE_STEP_TOKENS."""
+    capacity = runner.num_blocks * runner.block_size - 1
+    sizes = [n for n in (SAFE_STEP_TOKENS + 1, *STEP_BUDGETS) if n <= capacity]
+    if not runner.deterministic:
+        return sizes[-1] if sizes else SAFE_STEP_TOKENS
+    budget = SAFE_STEP_TOKENS
+    for n in sizes:
+        if not rows_alike(runner, n):
+            break
+        if n in STEP_BUDGETS:
+            budget = n
+    log.info("step budget %d tokens (rows computed alike up to it on this CPU)", budget)
+    return budget
+
+
 def check_rows(runner: ModelRunner, config: EngineConfig) -> None:
     """A first step, from position 0 on the first blocks (no request has any yet): a prompt as long as a step's
     budget, every logits row wanted. A model whose logits are not all finite cannot serve (f16 activations gave
     NaN for every logit of SmolLM2 int8 on a CPU without native f16). With deterministic steps, its last two
     positions are computed again in a step of two rows: where the CPU's kernels compute a full step's rows
     otherwise than a small step's, a warning names the budget, since replies would then depend on load."""
-    length = max(2, min(config.max_num_batched_tokens, runner.num_blocks * runner.block_size - 1))
+    budget = config.max_num_batched_tokens or SAFE_STEP_TOKENS
+    length = max(2, min(budget, runner.num_blocks * runner.block_size - 1))
     prompt = [1 + i % min(1000, runner.vocab_size - 1) for i in range(length)]
     blocks = list(range(-(-length // runner.block_size)))
     full = runner.execute([StepInput(prompt, 0, blocks, length)])[-2:].copy()
@@ -98,7 +126,7 @@ def measure_step_times(
     time."""
     capacity = runner.num_blocks * runner.block_size
     sizes = sorted({*range(1, config.speculative_tokens + 2), *LARGER_STEPS})
-    sizes = [n for n in sizes if n <= config.max_num_batched_tokens and n < capacity - 1]
+    sizes = [n for n in sizes if n <= (config.max_num_batched_tokens or SAFE_STEP_TOKENS) and n < capacity - 1]
     if not sizes:
         return
     context = max(1, min(CONTEXT, capacity - max(sizes) - 1))
