@@ -217,7 +217,7 @@ def systems(model: Path, quick: bool, with_llama: bool) -> list[System]:
             "ovserve",
             "ovserve",
             "recommended: speculation auto (prompt lookup), prefix cache with its disk tier, x-session-id; "
-            "deterministic steps of 80 tokens (the default)",
+            "deterministic steps, the step budget chosen at start (the defaults)",
             ["--speculation", "auto"],
             session_header=True,
             disk_tier=True,
