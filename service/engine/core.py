@@ -51,6 +51,7 @@ class EngineCore:
     ) -> None:
         """turn_marks: the chat template's assistant header and end-of-turn token (Tokenizer.turn_marks)."""
         self.runner = ModelRunner(model.ir, config)
+        self.budget_checked = config.max_num_batched_tokens is None  # choose_budget checks the budget it chooses
         budget = config.max_num_batched_tokens or warmup.choose_budget(self.runner)
         self.config = config = replace(config, max_num_batched_tokens=budget)
         capacity = self.runner.num_blocks * self.runner.block_size
@@ -106,7 +107,7 @@ class EngineCore:
         """Warm the model up (checking that it computes finite logits; with speculation on by default, measuring
         the draft policy's table), then start the engine thread. With speculation off by default, requests that
         opt in are judged by the table's prior line: no server start pays for the measurement."""
-        warmup.check_rows(self.runner, self.config)
+        warmup.check_rows(self.runner, self.config, self.budget_checked)
         if self.config.speculative_tokens > 0 and self.config.speculation == "auto":
             warmup.measure_step_times(self.runner, self.config, self.step_times)
         if self.tiers is not None:

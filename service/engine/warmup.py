@@ -32,30 +32,28 @@ def rows_alike(runner: ModelRunner, num_tokens: int) -> bool:
 
 
 def choose_budget(runner: ModelRunner) -> int:
-    """The step budget when none is set: fast steps the largest of STEP_BUDGETS; deterministic steps the largest
-    below which no step checked, from SAFE_STEP_TOKENS + 1 (where the matmuls of AVX2 CPUs switch kernels) up
-    through STEP_BUDGETS, computes rows otherwise than a step of two, else SAFE_STEP_TOKENS."""
+    """The step budget when none is set: fast steps the largest of STEP_BUDGETS; deterministic steps, where a
+    step of SAFE_STEP_TOKENS + 1 rows (the size at which the matmuls of AVX2 CPUs switch kernels) computes them as
+    a step of two does, the largest of STEP_BUDGETS that does too, else SAFE_STEP_TOKENS."""
     capacity = runner.num_blocks * runner.block_size - 1
-    sizes = [n for n in (SAFE_STEP_TOKENS + 1, *STEP_BUDGETS) if n <= capacity]
+    sizes = [n for n in STEP_BUDGETS if n <= capacity]
     if not runner.deterministic:
-        return sizes[-1] if sizes else SAFE_STEP_TOKENS
+        return max(sizes, default=SAFE_STEP_TOKENS)
     budget = SAFE_STEP_TOKENS
-    for n in sizes:
-        if not rows_alike(runner, n):
-            break
-        if n in STEP_BUDGETS:
-            budget = n
+    if capacity > SAFE_STEP_TOKENS and rows_alike(runner, SAFE_STEP_TOKENS + 1):
+        budget = next((n for n in reversed(sizes) if rows_alike(runner, n)), SAFE_STEP_TOKENS)
     log.info("step budget %d tokens (rows computed alike up to it on this CPU)", budget)
     return budget
 
 
-def check_rows(runner: ModelRunner, config: EngineConfig) -> None:
+def check_rows(runner: ModelRunner, config: EngineConfig, budget_checked: bool = False) -> None:
     """A first step, from position 0 on the first blocks (no request has any yet): a prompt as long as a step's
     budget, every logits row wanted. A model whose logits are not all finite cannot serve (f16 activations gave
-    NaN for every logit of SmolLM2 int8 on a CPU without native f16). With deterministic steps, its last two
-    positions are computed again in a step of two rows: where the CPU's kernels compute a full step's rows
-    otherwise than a small step's, a warning names the budget, since replies would then depend on load."""
-    budget = config.max_num_batched_tokens or SAFE_STEP_TOKENS
+    NaN for every logit of SmolLM2 int8 on a CPU without native f16). With deterministic steps and a budget not
+    checked already (budget_checked: choose_budget chose it), its last two positions are computed again in a step
+    of two rows: where the CPU's kernels compute a full step's rows otherwise than a small step's, a warning names
+    the budget, since replies would then depend on load."""
+    budget = SAFE_STEP_TOKENS if budget_checked else config.max_num_batched_tokens or SAFE_STEP_TOKENS
     length = max(2, min(budget, runner.num_blocks * runner.block_size - 1))
     prompt = [1 + i % min(1000, runner.vocab_size - 1) for i in range(length)]
     blocks = list(range(-(-length // runner.block_size)))
@@ -65,7 +63,7 @@ def check_rows(runner: ModelRunner, config: EngineConfig) -> None:
             f"the model's logits are not finite (NaN or inf) with activations in {runner.activation_precision} "
             f"on this CPU: inference_precision {config.inference_precision!r} cannot serve this model here; use 'f32'"
         )
-    if not runner.deterministic:
+    if not runner.deterministic or budget_checked:
         return
     small = runner.execute([StepInput(prompt[-2:], length - 2, blocks, 2)])
     if not np.array_equal(full, small):
