@@ -440,3 +440,22 @@ def test_aborting_every_candidate_mid_prompt_frees_every_block():
         s.finish(r)
     assert s.kv.pool.num_free == s.kv.pool.num_blocks
     assert not s.requests and not s.waiting and not s.running
+
+
+def test_a_short_prompt_starts_beside_a_long_one_rather_than_after_it():
+    s = make(budget=16)
+    long = request("long", 100, max_new_tokens=2)
+    s.add(long)
+    step(s)
+    short = request("short", 6, start=500, max_new_tokens=2)
+    s.add(short)
+    plan = step(s)
+    assert [(c.request.label, c.num_tokens) for c in plan.chunks] == [("long", 10), ("short", 6)]
+    assert short.num_output_tokens == 1 and long.num_output_tokens == 0
+    # a waiting prompt longer than what the running one has left waits its turn as before
+    s2 = make(budget=16)
+    first, second = request("first", 20, max_new_tokens=2), request("second", 40, start=500, max_new_tokens=2)
+    s2.add(first)
+    step(s2)
+    s2.add(second)
+    assert [(c.request.label, c.num_tokens) for c in step(s2).chunks] == [("first", 4), ("second", 12)]

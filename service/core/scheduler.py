@@ -299,13 +299,17 @@ class Scheduler:
         pieces_after = sum(pieces.values())
         if self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
             pieces_after += self._piece(next(iter(self.waiting)), 0, largest)
+        next_prompt = self._next_prompt()
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             pieces_after -= pieces.get(request.id, 0)
-            num_new = self._piece(request, request.num_computed_tokens, budget)
+            limit = budget
+            if request.num_tokens - request.num_computed_tokens > next_prompt > 0:  # a longer prompt leaves it room
+                limit = max(0, budget - next_prompt)
+            num_new = self._piece(request, request.num_computed_tokens, limit)
             if num_new == 0 or not self._allocate_or_preempt(request, num_new, plan):
                 continue
             room = budget - num_new - max(0, pieces_after)
@@ -324,6 +328,21 @@ class Scheduler:
         if not plan.preempted:
             self._admit_waiting(budget, plan)
         return plan
+
+    def _next_prompt(self) -> int:
+        """The tokens the first waiting request has to compute past its cached prefix, when there is a place and
+        blocks for it (else 0). A running prompt with more tokens left leaves it that much of the step, so a
+        short turn starts beside a pasted document rather than after all of it (prompts shortest first)."""
+        if not self.waiting or self._full():
+            return 0
+        request = next(iter(self.waiting))
+        if self._waits_for_leader(request):
+            return 0
+        hit = self._find_prefix(request)
+        keep_free = sum(self._blocks_to_grow(r) for r in self._growing())  # as admission keeps them
+        if self.kv.blocks_needed(request.num_tokens + 1) - len(hit.blocks) + keep_free > self.kv.pool.num_free:
+            return 0
+        return request.num_tokens - hit.num_tokens
 
     def _newcomers_alone(self, budget: int, plan: StepPlan) -> bool:
         """With fair admission, the waiting requests of tenants that have nothing running start in a step of
