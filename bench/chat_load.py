@@ -18,8 +18,12 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from bench.workload import Turn, Workload, arrivals
+
+if TYPE_CHECKING:
+    import httpx
 
 TIMEOUT_S = 600
 KEEP_ALIVE_S = 2.0
@@ -87,6 +91,21 @@ class ChatClient:
             body["prediction"] = {"type": "content", "content": turn.prediction}
         return body
 
+    async def _send(self, body: dict, headers: dict) -> httpx.Response:
+        """The turn's POST, its response streamed; sent again once if the server closed the connection without
+        answering, as the openai SDK does (llama-server's HTTP server did so to a few turns a run; the time to the
+        first token counts from the first try)."""
+        import httpx
+
+        for attempt in (1, 2):
+            request = self.http.build_request("POST", "/v1/chat/completions", json=body, headers=headers)
+            try:
+                return await self.http.send(request, stream=True)
+            except httpx.RemoteProtocolError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     async def turn(self, messages: list[dict], turn: Turn, result: TurnResult, session_id: str) -> str:
         """Sends one turn, fills `result` in; the reply's text."""
         body = self.body(messages, turn)
@@ -96,7 +115,8 @@ class ChatClient:
         times: list[float] = []
         usage = timings = None
         started = time.perf_counter()
-        async with self.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        response = await self._send(body, headers)
+        try:
             if response.status_code != 200:
                 result.status = (
                     f"http {response.status_code}: {(await response.aread())[:200].decode(errors='replace')}"
@@ -113,6 +133,8 @@ class ChatClient:
                     if piece:
                         times.append(time.perf_counter())
                         text.append(piece)
+        finally:
+            await response.aclose()
         result.end_s = time.perf_counter() - started
         if times:
             result.ttft_s = times[0] - started

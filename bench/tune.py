@@ -9,9 +9,9 @@ median of those is the answer. Knobs:
 - dq_group_size: the CPU plugin's default dynamic-quantization group vs 64;
 - batch_window_ms: 0 (the default) vs 10 ms of waiting after an arrival to gather a burst into one step,
   measured under staggered (Poisson) arrivals, where it could matter, and under a burst;
-- max_num_batched_tokens: 80 (the default) vs 512 tokens per step, under Poisson arrivals: a smaller budget
-  splits new prompts into more, shorter chunks, so the streams already decoding wait less between tokens
-  (inter-token latency p99) at some cost in throughput and time to first token;
+- max_num_batched_tokens: the default (chosen at start: 80 to 512) vs 512 tokens per step, under Poisson
+  arrivals: a smaller budget splits new prompts into more, shorter chunks, so the streams already decoding
+  wait less between tokens (inter-token latency p99) at some cost in throughput and time to first token;
 - deterministic: on (the default) vs fast steps (--no-deterministic, 512 tokens a step: prompt pieces whole),
   under Poisson arrivals;
 - kernel_cache_shapes: the CPU plugin's own runtime-cache size (5000 step shapes) vs ours (64), under

@@ -280,13 +280,14 @@ def test_replicas_behind_haproxy_keep_a_session_on_one_replica(smollm2_ir, tmp_p
     assert len(served.pids) == 2 and served.balancer is not None
     turns = level["turns"]
     assert turns and all(t["status"] == "ok" for t in turns), [t["status"] for t in turns]
-    # a session's later turn found its history (the previous turn's prompt, up to a block) on the replica it
-    # went to: with round robin, every other turn would find only the system prompt there
+    # a session's later turn found its history (the previous turn's prompt, up to two blocks: a hit that would
+    # leave the last token of a prompt piece to compute alone gives a block back, core/feed.py) on the replica
+    # it went to: with round robin, every other turn would find only the system prompt there
     previous: dict[str, int] = {}
     followed = 0
     for t in turns:
         if t["session"] in previous:
-            assert t["cached_tokens"] >= previous[t["session"]] - 32, t
+            assert t["cached_tokens"] >= previous[t["session"]] - 64, t
             followed += 1
         previous[t["session"]] = t["prompt_tokens"]
     assert followed

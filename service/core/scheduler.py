@@ -4,7 +4,8 @@ Every request has num_tokens (prompt + generated) and num_computed_tokens; each 
 budget out, running requests first, then waiting ones in the order the fair queue gives (fair across
 tenants, by priority within one: fair_queue.py). A prompt is computed in pieces
 as large as the budget leaves, side by side with other requests' decode tokens, and drafts never take
-the room of the pieces planned after them. A waiting request is admitted only while
+the room of the pieces planned after them. A running prompt with more tokens left than the first waiting
+request's leaves that request room to start (see _next_prompt). A waiting request is admitted only while
 each running request keeps the blocks for the rest of its prompt and one more to grow into. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed later
 (mostly from the prefix cache). A waiting request whose tenant runs fewer requests than its share of
