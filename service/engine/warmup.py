@@ -22,13 +22,21 @@ LARGER_STEPS = (16, 24, 32, 48, 64)
 CONTEXT = 128
 
 
-def rows_alike(runner: ModelRunner, num_tokens: int) -> bool:
-    """Whether a step of num_tokens one-token rows (a prompt from position 0 on the first blocks, before any
-    request has them) computes its last two rows as a step of those two does."""
+def last_rows(runner: ModelRunner, num_tokens: int, again: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """A step of a prompt of num_tokens tokens from position 0 on the first blocks (before any request has them),
+    every logits row wanted: its last two logits rows, and when `again`, those two positions computed again in
+    a step of two."""
     prompt = [1 + i % min(1000, runner.vocab_size - 1) for i in range(num_tokens)]
     blocks = list(range(-(-num_tokens // runner.block_size)))
     full = runner.execute([StepInput(prompt, 0, blocks, num_tokens)])[-2:].copy()
-    return np.array_equal(full, runner.execute([StepInput(prompt[-2:], num_tokens - 2, blocks, 2)]))
+    small = runner.execute([StepInput(prompt[-2:], num_tokens - 2, blocks, 2)]) if again else None
+    return full, small
+
+
+def rows_alike(runner: ModelRunner, num_tokens: int) -> bool:
+    """Whether a step of num_tokens one-token rows computes its last two rows as a step of those two does."""
+    full, small = last_rows(runner, num_tokens, again=True)
+    return small is not None and np.array_equal(full, small)
 
 
 def choose_budget(runner: ModelRunner) -> int:
@@ -55,18 +63,13 @@ def check_rows(runner: ModelRunner, config: EngineConfig, budget_checked: bool =
     the budget, since replies would then depend on load."""
     budget = SAFE_STEP_TOKENS if budget_checked else config.max_num_batched_tokens or SAFE_STEP_TOKENS
     length = max(2, min(budget, runner.num_blocks * runner.block_size - 1))
-    prompt = [1 + i % min(1000, runner.vocab_size - 1) for i in range(length)]
-    blocks = list(range(-(-length // runner.block_size)))
-    full = runner.execute([StepInput(prompt, 0, blocks, length)])[-2:].copy()
+    full, small = last_rows(runner, length, again=runner.deterministic and not budget_checked)
     if not np.isfinite(full).all():
         raise ValueError(
             f"the model's logits are not finite (NaN or inf) with activations in {runner.activation_precision} "
             f"on this CPU: inference_precision {config.inference_precision!r} cannot serve this model here; use 'f32'"
         )
-    if not runner.deterministic or budget_checked:
-        return
-    small = runner.execute([StepInput(prompt[-2:], length - 2, blocks, 2)])
-    if not np.array_equal(full, small):
+    if small is not None and not np.array_equal(full, small):
         log.warning(
             "a step of %d tokens computes rows otherwise than a step of 2 on this CPU (logits differ by up to %.3g): "
             "replies may depend on load and cache state; lower --max-num-batched-tokens (80 held on the CPUs "

@@ -60,18 +60,17 @@ class StepReport:
 def as_rows(seqs: Sequence[StepInput]) -> list[StepInput]:
     """Each token of these sequences as a one-token sequence on its block table, the wanted logits rows kept;
     pieces stay whole."""
-    return [
-        row
-        for s in seqs
-        for row in (
-            [s]
-            if s.piece
-            else [
-                StepInput([token], s.past_len + i, s.block_ids, int(i >= len(s.token_ids) - s.num_logits))
-                for i, token in enumerate(s.token_ids)
-            ]
-        )
-    ]
+    rows: list[StepInput] = []
+    for s in seqs:
+        if s.piece:
+            rows.append(s)
+            continue
+        last_logits = len(s.token_ids) - s.num_logits
+        rows += [
+            StepInput([token], s.past_len + i, s.block_ids, int(i >= last_logits))
+            for i, token in enumerate(s.token_ids)
+        ]
+    return rows
 
 
 def available_cpus() -> int:
