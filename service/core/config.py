@@ -48,9 +48,8 @@ class EngineConfig:
     )
     inference_precision: str = setting(
         "f32",
-        "precision of the model's activations. Replies are reproducible in f32 only: in bf16 the plugin's matmuls "
-        "round a row by how many rows share its step. On CPUs with AVX512_BF16 or AMX, bf16 ran long prompt "
-        "chunks 1.35-1.75x faster while int8 models decoded 1.3-1.5x faster in f32",
+        "precision of the model's activations. Replies are reproducible in f32 only (docs/API.md); on CPUs with "
+        "AVX512_BF16 or AMX, bf16 reads prompts faster (docs/BENCH.md)",
         INFERENCE_PRECISIONS,
     )
     dq_group_size: int | None = setting(

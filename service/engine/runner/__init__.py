@@ -107,8 +107,9 @@ class ModelRunner:
             # an LRU cache: with the default 5000 entries, memory grew by ~1.4 MB per new shape for SmolLM2,
             # and a server meets a new shape with almost every new prompt length.
             "CPU_RUNTIME_CACHE_CAPACITY": config.kernel_cache_shapes,
-            # Set always: the plugin's own default is bf16 on CPUs with AVX512_BF16, where int8 models decode
-            # far slower than in f32, and bf16 matmuls round a row by how many rows share its step.
+            # Set always: the plugin's own default is bf16 on CPUs with AVX512_BF16 or AMX, with which replies
+            # are not reproducible (a cached conversation's next turn replied otherwise than cold) and a large
+            # int8 model decodes slower (docs/CONFIG.md).
             "INFERENCE_PRECISION_HINT": config.inference_precision,
         }
         if config.kv_cache_precision == "u8":
