@@ -146,6 +146,12 @@ class EngineConfig:
         "defaults (5000 and 1024) memory grew with every new step shape",
     )
 
+    @property
+    def step_budget(self) -> int:
+        """Tokens a step holds at most: max_num_batched_tokens, or SAFE_STEP_TOKENS until the engine has chosen
+        one at start (warmup.choose_budget)."""
+        return self.max_num_batched_tokens or SAFE_STEP_TOKENS
+
     def problems(self) -> list[str]:
         """What is out of range, one sentence each, naming the setting; empty when the config is usable."""
         checks = [

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from service.core.config import SAFE_STEP_TOKENS, EngineConfig
+from service.core.config import EngineConfig
 from service.core.fair_queue import FairQueue
 from service.core.feed import Feed, can_start, fit, segments
 from service.core.kv_cache import KVCacheManager, PrefixHit
@@ -151,8 +151,7 @@ class Scheduler:
         # the engine's warm-up fills step_times (the policy's table)
         self.policy = DraftPolicy(config.speculative_max_seqs, step_times)
         self.step_times = self.policy.times
-        # the engine resolves the default before it makes the scheduler (warmup.choose_budget)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or SAFE_STEP_TOKENS
+        self.max_num_batched_tokens = config.step_budget
         self.max_model_len = max_model_len
         self.kv = kv
         self.feed = feed  # deterministic steps: which tokens are rows, which pieces (None: fast steps)
@@ -320,7 +319,7 @@ class Scheduler:
             # loading request the blocks it needs for the rest of its prompt and one more token (as admission does)
             if drafts:
                 target = request.num_computed_tokens + num_new + len(drafts)
-                reserve = sum(self._blocks_to_grow(r) for r in self._growing() if r is not request)
+                reserve = self._blocks_held_back(besides=request)
                 if not self.kv.allocate(request.id, target, keep_free=reserve):
                     drafts = ()
             plan.chunks.append(self._chunk(request, num_new, drafts, min(predicted, len(drafts))))
@@ -340,7 +339,7 @@ class Scheduler:
         if self._waits_for_leader(request):
             return 0
         hit = self._find_prefix(request)
-        keep_free = sum(self._blocks_to_grow(r) for r in self._growing())  # as admission keeps them
+        keep_free = self._blocks_held_back()  # as admission keeps them
         if self.kv.blocks_needed(request.num_tokens + 1) - len(hit.blocks) + keep_free > self.kv.pool.num_free:
             return 0
         return request.num_tokens - hit.num_tokens
@@ -414,7 +413,7 @@ class Scheduler:
         # later pieces are not held for: waiting for them cost more steps than the preemptions it saved)
         if not self.waiting:
             return
-        keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
+        keep_free = self._blocks_held_back()
         for request in self.waiting:
             if budget <= 0:
                 break
@@ -429,7 +428,7 @@ class Scheduler:
                 budget += self._make_place(request, plan) or 0
                 if self._full():
                     break
-                keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
+                keep_free = self._blocks_held_back()
             below = self._below_ram(request, prefix.num_tokens)
             if below is None:
                 continue  # another request is restoring its blocks: it waits for that load to end
@@ -438,7 +437,7 @@ class Scheduler:
                 if freed is None:
                     return  # wait for blocks to be freed; the next in line first
                 budget += freed
-                keep_free = sum(self._blocks_to_grow(r) for r in self._growing())
+                keep_free = self._blocks_held_back()
             to_load, num_new = admitted
             self.waiting.admitted(request)
             if self.disk is not None:  # the RAM hit's disk copies were used too: not the ones to drop first
@@ -507,6 +506,10 @@ class Scheduler:
         """The requests that hold blocks and will grow: the running ones and those whose blocks a load restores."""
         loading = [load.request for load in self.loading.values() if load.request.status is Status.LOADING]
         return [*self.running, *loading]
+
+    def _blocks_held_back(self, besides: Request | None = None) -> int:
+        """Blocks the growing requests (all but `besides`) still need: admission and drafts leave them free."""
+        return sum(self._blocks_to_grow(r) for r in self._growing() if r is not besides)
 
     def _blocks_to_grow(self, request: Request) -> int:
         """Blocks a request that holds some still needs for the rest of its prompt and one more token: a

@@ -61,7 +61,7 @@ def check_rows(runner: ModelRunner, config: EngineConfig, budget_checked: bool =
     checked already (budget_checked: choose_budget chose it), its last two positions are computed again in a step
     of two rows: where the CPU's kernels compute a full step's rows otherwise than a small step's, a warning names
     the budget, since replies would then depend on load."""
-    budget = SAFE_STEP_TOKENS if budget_checked else config.max_num_batched_tokens or SAFE_STEP_TOKENS
+    budget = SAFE_STEP_TOKENS if budget_checked else config.step_budget
     length = max(2, min(budget, runner.num_blocks * runner.block_size - 1))
     full, small = last_rows(runner, length, again=runner.deterministic and not budget_checked)
     if not np.isfinite(full).all():
@@ -127,7 +127,7 @@ def measure_step_times(
     time."""
     capacity = runner.num_blocks * runner.block_size
     sizes = sorted({*range(1, config.speculative_tokens + 2), *LARGER_STEPS})
-    sizes = [n for n in sizes if n <= (config.max_num_batched_tokens or SAFE_STEP_TOKENS) and n < capacity - 1]
+    sizes = [n for n in sizes if n <= config.step_budget and n < capacity - 1]
     if not sizes:
         return
     context = max(1, min(CONTEXT, capacity - max(sizes) - 1))
