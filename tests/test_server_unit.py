@@ -632,3 +632,17 @@ def test_inference_precision_flag():
             parse_args(["--model", "m", *bad], env={})
     with pytest.raises(SystemExit):
         parse_args(["--model", "m"], env={"OVSERVE_INFERENCE_PRECISION": "fp64"})
+
+
+def test_step_budget_flag_defaults_to_the_engines_choice_and_refuses_a_budget_no_piece_fits(capsys):
+    from service.core.config import SAFE_STEP_TOKENS, EngineConfig
+
+    assert parse_args(["--model", "m"], env={}).engine.max_num_batched_tokens is None
+    assert parse_args(["--model", "m", "--max-num-batched-tokens", "4"], env={}).engine.max_num_batched_tokens == 4
+    for bad in ("3", "0", "-512"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", "--max-num-batched-tokens", bad], env={})
+        assert "--max-num-batched-tokens must be at least 4" in capsys.readouterr().err
+    # until the engine chooses one at start, a config's steps hold the budget that held on every CPU measured
+    assert EngineConfig().step_budget == SAFE_STEP_TOKENS
+    assert EngineConfig(max_num_batched_tokens=256).step_budget == 256
