@@ -133,11 +133,14 @@ bench: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
 bench-capacity-full: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
 	$(PY) -m bench.capacity --model $(MODEL) --out bench/results-capacity/full
 
-# The full plan's levels (180 s, users arriving over 30 s, 8 s think, 70-105 turns measured a level) from 16 users,
-# for ovserve's two sets and genai, refined to the user: about an hour on 2 cores.
-bench-capacity-steady: $(STAMP) $(MODEL)/manifest.json
-	$(PY) -m bench.capacity --model $(MODEL) --systems "ovserve,ovserve plain,genai CB" --ladder 16,24,32,48 \
-		--no-llama --out bench/results-capacity/steady
+# Every system of the issue in one run at the full plan's levels (180 s, users arriving over 30 s, 8 s think, 70-105
+# turns measured a level), refined to the user. Each climb begins near the limit an earlier run found (fewer users
+# taken as carried) so the run fits in about 1 h 45 min on 2 cores; drop the --start flags to climb from 1 user.
+bench-capacity-steady: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
+	$(PY) -m bench.capacity --model $(MODEL) --ladder 1,2,4,8,12,16,24,32 \
+		--systems "ovserve,ovserve plain,genai CB,genai CB f32,llama-server Q4_1,llama-server Q8_0" \
+		--start ovserve=16 --start "ovserve plain=16" --start "genai CB=12" --start "genai CB f32=8" \
+		--out bench/results-capacity/steady
 
 # llama.cpp's server, built once from the source vendored in llama-cpp-python's sdist (~12 min on 2 cores).
 llama-server: $(LLAMA_SERVER)

@@ -63,10 +63,12 @@ class Search:
     """Users to try next for one system: up the ladder until a level is missed, then (refine) halving the gap
     between the last level carried and the first missed until they are neighbours. With `every`, every level
     of the ladder runs, missed or not (latency curves to compare past a miss); the capacity is still the largest
-    level below the first one missed."""
+    level below the first one missed. With `start`, the climb begins there: fewer users are taken as carried
+    (no system here missed a target with fewer users than a level it carried), which saves the slow small levels
+    when an earlier run has located the system's limit."""
 
-    def __init__(self, ladder: list[int], refine: bool, every: bool = False) -> None:
-        self.ladder = sorted(set(ladder))
+    def __init__(self, ladder: list[int], refine: bool, every: bool = False, start: int = 0) -> None:
+        self.ladder = sorted({n for n in ladder if n > start} | ({start} if start else set()))
         self.refine = refine
         self.every = every
         self.carried = 0  # the largest level carried so far
@@ -387,6 +389,7 @@ class Plan:
     targets: Targets = TARGETS
     min_turns: int = 0  # a level runs on past its duration (up to 3x) until this many turns are measured
     every_level: bool = False  # run every level of the ladder, not only up to the first missed
+    starts: dict[str, int] = field(default_factory=dict)  # a system's first level, when not the ladder's first
 
 
 QUICK = Plan([1, 2, 4, 8], False, 30, 6, 3.0, 1, True, min_turns=8)
@@ -468,7 +471,9 @@ def sweep(chosen: list[System], model: Path, plan: Plan, workload: Workload, wor
                 "idle_rss_bytes": trees_rss(servers[s.name].pids),
             }
             log(f"{s.name}: serving; prediction {prediction}")
-        searches = {s.name: Search(plan.ladder, plan.refine, plan.every_level) for s in chosen}
+        searches = {
+            s.name: Search(plan.ladder, plan.refine, plan.every_level, plan.starts.get(s.name, 0)) for s in chosen
+        }
         round_no = 0
         while any(search.next() is not None for search in searches.values()):
             order = chosen if round_no % 2 == 0 else chosen[::-1]
@@ -530,6 +535,17 @@ def span(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def starts(given: list[str], top: int) -> dict[str, int]:
+    """SYSTEM=USERS pairs, 1 <= USERS <= the ladder's top; anything else ends the run naming the rule."""
+    out = {}
+    for item in given:
+        name, _, users = item.rpartition("=")
+        if not name or not users.isdigit() or not 1 <= int(users) <= top:
+            raise SystemExit(f"--start is SYSTEM=USERS with 1 <= USERS <= {top} (the ladder's top), not {item!r}")
+        out[name] = int(users)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-int8")
@@ -547,6 +563,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paste-ttft", type=float, default=TARGETS.paste_ttft_s, help="the same, pasting turns (s)")
     p.add_argument("--pace", type=float, default=TARGETS.tpot_s, help="p95 time per output token target (s)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--start",
+        action="append",
+        default=[],
+        metavar="SYSTEM=USERS",
+        help="begin this system's climb at USERS, taking fewer as carried (repeatable; e.g. from an earlier run)",
+    )
     p.add_argument("--every-level", action="store_true", help="run every level of the ladder, past a missed one")
     p.add_argument(
         "--replicas",
@@ -572,8 +595,9 @@ def main(argv: list[str] | None = None) -> int:
         capacity_report.write(json.loads((a.out / "results.json").read_text()), a.out)
         return 0
     plan = QUICK if a.quick else FULL
+    ladder = [int(x) for x in a.ladder.split(",")] if a.ladder else plan.ladder
     plan = Plan(
-        [int(x) for x in a.ladder.split(",")] if a.ladder else plan.ladder,
+        ladder,
         plan.refine,
         a.duration or plan.duration_s,
         min(plan.ramp_s, (a.duration or plan.duration_s) / 4),
@@ -583,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         Targets(a.ttft, a.paste_ttft, a.pace),
         plan.min_turns if a.min_turns is None else a.min_turns,
         a.every_level,
+        starts(a.start, max(ladder)),
     )
     if a.build_llama and not a.no_llama:
         llama_server.build()
@@ -591,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.systems:
         names = a.systems.split(",")
         chosen = [s for s in chosen if s.name in names]
+    unknown = set(plan.starts) - {s.name for s in chosen}
+    if unknown:
+        raise SystemExit(f"--start names {sorted(unknown)}, not among the systems run: {[s.name for s in chosen]}")
     if a.replicas > 1:
         chosen = [x for s in chosen for x in ([s, behind_haproxy(s, a.replicas)] if s.kind == "ovserve" else [s])]
     sizes = {}

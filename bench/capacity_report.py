@@ -116,6 +116,13 @@ def levels_table(results: dict) -> list[str]:
     return lines
 
 
+def starts_text(starts: dict[str, int]) -> str:
+    if not starts:
+        return ""
+    each = ", ".join(f"{name} from {users}" for name, users in starts.items())
+    return f" (climbs begun higher, fewer users taken as carried: {each})"
+
+
 def write(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(results, out)
@@ -133,7 +140,8 @@ def write(results: dict, out: Path) -> None:
         f"Sessions paste documents of {'-'.join(map(str, sizes.get('document_tokens', (500, 1500))))} tokens, "
         f"replies of {'-'.join(map(str, sizes.get('reply_tokens', (100, 300))))} tokens. "
         f"{'Quick set' if results['quick'] else 'Full sweep'}: levels {plan['ladder']}"
-        f"{' refined by halving' if plan['refine'] else ''}, {plan['duration_s']:.0f} s each, users arriving over "
+        f"{' refined by halving' if plan['refine'] else ''}"
+        f"{starts_text(plan.get('starts') or {})}, {plan['duration_s']:.0f} s each, users arriving over "
         f"{plan['ramp_s']:.0f} s, think time {plan['think_s']:g} s on average, seed {plan['seed']}, `prediction` "
         f"{'sent on edit turns to servers that accept it' if plan['prediction'] else 'not sent'}.",
         f"Targets (p95 over the turns sent after the last user arrived): first token {t['ttft_s']:g} s for "

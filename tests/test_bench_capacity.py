@@ -130,6 +130,21 @@ def test_search_capacity_is_zero_when_one_user_is_too_many_and_the_top_when_all_
     assert walk(every, lambda n: True) == [1, 2, 4] and every.capacity == 4
 
 
+def test_search_from_a_start_climbs_from_there_and_a_miss_at_the_start_refines_below_it():
+    search = capacity.Search([1, 2, 4, 8, 16, 32], refine=True, start=12)
+    assert walk(search, lambda n: n <= 22) == [12, 16, 32, 24, 20, 22, 23]
+    assert search.capacity == 22
+    low = capacity.Search([1, 2, 4, 8, 16], refine=True, start=12)
+    assert walk(low, lambda n: n <= 5) == [12, 6, 3, 4, 5] and low.capacity == 5
+
+
+def test_starts_from_the_command_line_are_checked():
+    assert capacity.starts(["genai CB=12", "ovserve plain=16"], 48) == {"genai CB": 12, "ovserve plain": 16}
+    for bad in ["genai CB", "=4", "genai CB=0", "genai CB=49", "genai CB=x"]:
+        with pytest.raises(SystemExit, match="SYSTEM=USERS"):
+            capacity.starts([bad], 48)
+
+
 def test_search_with_every_level_runs_the_whole_ladder_and_counts_only_below_the_first_miss():
     search = capacity.Search([1, 2, 4, 8], refine=True, every=True)
     assert walk(search, lambda n: n != 2) == [1, 2, 4, 8]  # no refining; 4 and 8 carried above a miss
