@@ -135,7 +135,7 @@ bench-capacity-full: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
 
 # Every system of the issue in one run at the full plan's levels (180 s, users arriving over 30 s, 8 s think, 70-105
 # turns measured a level), refined to the user. Each climb begins near the limit an earlier run found (fewer users
-# taken as carried) so the run fits in about 1 h 45 min on 2 cores; drop the --start flags to climb from 1 user.
+# taken as carried) so the run fits in about 1.5 hours on 2 cores; drop the --start flags to climb from 1 user.
 bench-capacity-steady: $(STAMP) $(MODEL)/manifest.json $(LLAMA_SERVER)
 	$(PY) -m bench.capacity --model $(MODEL) --ladder 1,2,4,8,12,16,24,32 \
 		--systems "ovserve,ovserve plain,genai CB,genai CB f32,llama-server Q4_1,llama-server Q8_0" \
