@@ -5,10 +5,14 @@ admission, the default, then `--no-fair-admission`: one queue in arrival order) 
 one streamed request a second to the idle server (its idle time to first token), then the flood tenant sends
 --flood requests at once while the light tenant goes on sending one a second until the flood is served. The two
 tenants are two clients: the flood's streams are read by a process of their own (as another tenant's would be),
-so the light tenant's times are not those of one event loop parsing 200 streams. Reported:
-the light tenant's time to first token during the flood against its idle time in the same run (median and
-worst), and how long the flood took. Every prompt is distinct (no prefix-cache hits between requests); replies
-are greedy with ignore_eos, so every request computes the same number of tokens in both modes.
+so the light tenant's times are not those of one event loop parsing 200 streams. The light tenant is a writing
+assistant's user: a short chat turn on /v1/chat/completions, whose first token is text. (A bare completion
+prompt was used before 2026-12-08; SmolLM2's first token for it is an end-of-turn token that shows no text, so
+the time to its first text was the time to its second token, one more step of the flood's.) The flood is a batch
+job's plain completions. Reported: the light tenant's time to first token during the flood against its idle
+time in the same run (median and worst), and how long the flood took. Every prompt is distinct (no prefix-cache
+hits between requests beyond the chat template's own opening); replies are greedy with ignore_eos, so every
+request computes the same number of tokens in both modes.
 """
 
 from __future__ import annotations
@@ -68,18 +72,28 @@ class Server:
 
 
 async def first_token(client, port: int, tenant: str, prompt: str, max_tokens: int) -> float | None:
-    """Seconds from sending a streamed completion to its first text; None when it was refused."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+    """Seconds from sending a streamed request to its first text; None when it was refused. The light tenant
+    asks in a chat turn, the flood in plain completions."""
+    body: dict = {"max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+    if tenant == "light":
+        body["messages"], path = [{"role": "user", "content": prompt}], "chat/completions"
+    else:
+        body["prompt"], path = prompt, "completions"
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
     started, first = time.perf_counter(), None
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    async with client.stream("POST", url, json=body, headers=headers) as response:
+    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/{path}", json=body, headers=headers) as response:
         if response.status_code != 200:
             return None
         async for line in response.aiter_lines():
-            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+            if first is None and line.startswith("data: {") and text_of(json.loads(line[6:])):
                 first = time.perf_counter() - started
     return first
+
+
+def text_of(chunk: dict) -> str:
+    """The text a streamed chunk carries: a completion's text, or a chat delta's content."""
+    choices = chunk.get("choices") or [{}]
+    return choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""
 
 
 SERVER_SIDE = {"ttft": "ovserve_time_to_first_token_seconds", "queue": "ovserve_queue_time_seconds"}
