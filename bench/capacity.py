@@ -546,6 +546,19 @@ def starts(given: list[str], top: int) -> dict[str, int]:
     return out
 
 
+def choose(known: list[System], names: str | None, replicas: int, starts: dict[str, int]) -> list[System]:
+    """The systems run: those named (comma-separated; all when None), each ovserve one also as `replicas` replicas
+    behind HAProxy ("NAME xN", its own climb: N replicas carry their own number of users). A --start naming none
+    of them ends the run."""
+    chosen = [s for s in known if names is None or s.name in names.split(",")]
+    if replicas > 1:
+        chosen = [x for s in chosen for x in ([s, behind_haproxy(s, replicas)] if s.kind == "ovserve" else [s])]
+    unknown = set(starts) - {s.name for s in chosen}
+    if unknown:
+        raise SystemExit(f"--start names {sorted(unknown)}, not among the systems run: {[s.name for s in chosen]}")
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-int8")
@@ -612,15 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.build_llama and not a.no_llama:
         llama_server.build()
     with_llama = not a.no_llama and llama_server.binary() is not None
-    chosen = systems(a.model, a.quick, with_llama)
-    if a.systems:
-        names = a.systems.split(",")
-        chosen = [s for s in chosen if s.name in names]
-    unknown = set(plan.starts) - {s.name for s in chosen}
-    if unknown:
-        raise SystemExit(f"--start names {sorted(unknown)}, not among the systems run: {[s.name for s in chosen]}")
-    if a.replicas > 1:
-        chosen = [x for s in chosen for x in ([s, behind_haproxy(s, a.replicas)] if s.kind == "ovserve" else [s])]
+    chosen = choose(systems(a.model, a.quick, with_llama), a.systems, a.replicas, plan.starts)
     sizes = {}
     if a.documents:
         sizes["document_tokens"] = span(a.documents)

@@ -6,6 +6,7 @@ import random
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -143,6 +144,16 @@ def test_starts_from_the_command_line_are_checked():
     for bad in ["genai CB", "=4", "genai CB=0", "genai CB=49", "genai CB=x"]:
         with pytest.raises(SystemExit, match="SYSTEM=USERS"):
             capacity.starts([bad], 48)
+
+
+def test_a_start_may_name_a_replicated_system_only_when_replicas_are_run():
+    known = capacity.systems(Path("m"), quick=False, with_llama=False)
+    chosen = capacity.choose(known, "ovserve plain,genai CB", 3, {"ovserve plain x3": 8, "genai CB": 12})
+    assert [s.name for s in chosen] == ["ovserve plain", "ovserve plain x3", "genai CB"]
+    with pytest.raises(SystemExit, match="ovserve plain x3"):
+        capacity.choose(known, "ovserve plain,genai CB", 1, {"ovserve plain x3": 8})
+    with pytest.raises(SystemExit, match="llama"):
+        capacity.choose(known, "ovserve plain", 1, {"llama-server Q8_0": 2})
 
 
 def test_search_with_every_level_runs_the_whole_ladder_and_counts_only_below_the_first_miss():
