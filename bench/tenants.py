@@ -10,9 +10,9 @@ assistant's user: a short chat turn on /v1/chat/completions, whose first token i
 prompt was used before 2026-12-08; SmolLM2's first token for it is an end-of-turn token that shows no text, so
 the time to its first text was the time to its second token, one more step of the flood's.) The flood is a batch
 job's plain completions. Reported: the light tenant's time to first token during the flood against its idle
-time in the same run (median and worst), and how long the flood took. Every prompt is distinct (no prefix-cache
-hits between requests beyond the chat template's own opening); replies are greedy with ignore_eos, so every
-request computes the same number of tokens in both modes.
+time in the same run (median and worst), and how long the flood took. Every prompt is distinct (the light
+tenant's share the chat template's first 26 tokens, less than a 32-token block: no prefix-cache hits); replies
+are greedy with ignore_eos, so every request computes the same number of tokens in both modes.
 """
 
 from __future__ import annotations
