@@ -45,6 +45,7 @@ class Server:
         self.serving = Serving()
         self.auth = Auth.from_files(config.auth_token_file, config.api_keys_file, config.share_cache_across_tenants)
         self.keys_watch: asyncio.Task[None] | None = None
+        self.keys_reload = asyncio.Lock()
         with port_named(config.host, config.port, "port"):
             self.grpc = GrpcFront(config, self.serving, self.metrics, self.auth)
         self.port = self.grpc.port
@@ -114,7 +115,9 @@ class Server:
             await self.reload_keys()
 
     async def reload_keys(self, force: bool = False) -> None:
-        await asyncio.to_thread(self.auth.reload, force)
+        """One reload at a time: SIGHUPs while one runs wait here, not in threads of the pool requests use."""
+        async with self.keys_reload:
+            await asyncio.to_thread(self.auth.reload, force)
 
     async def load(self) -> None:
         """Load the model named by the config (blocking work in a thread), then attach it."""

@@ -126,6 +126,18 @@ def test_priority_is_checked_on_both_fronts(server):
     assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "priority" in invalid.value.details()
 
 
+def test_more_candidates_than_a_tenant_may_hold_is_invalid_not_a_full_queue(server):
+    """Two places and no queue per tenant: n=3 could never be served, so retrying would not help."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(sdk(server, ALICE), n=3)
+    assert refused.value.body["param"] == "n" and "--max-queued-per-tenant" in refused.value.body["message"]
+    with Client(server.target, token=BOB, timeout=TIMEOUT) as client, pytest.raises(grpc.RpcError) as invalid:
+        client.generate(prompt="Hi", max_new_tokens=2, n=3)
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert invalid.value.details().startswith("n: must be at most 2 here")
+    assert len(chat(sdk(server, ALICE), n=2).choices) == 2
+
+
 def test_a_flooding_tenant_is_refused_beyond_its_limit_while_another_is_served(server):
     alice = sdk(server, ALICE)
     streams = [chat(alice, f"Count to a thousand, take {i}.", stream=True, **LONG) for i in range(2)]

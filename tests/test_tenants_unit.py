@@ -2,6 +2,7 @@
 
 import logging
 import os
+import threading
 
 import pytest
 
@@ -37,7 +38,8 @@ def test_keys_name_tenants_with_weights():
         (f"{'a' * 65} {ALICE}\n", 1, "a tenant name is 1 to 64"),
         ("alice short\n", 1, "a key is 16 to 256 visible ASCII characters"),
         ("alice clé-0123456789abcdef\n", 1, "visible ASCII"),
-        (f"alice {ALICE} 0\n", 1, "the weight must be a number in (0, 1000]"),
+        (f"alice {ALICE} 0\n", 1, "the weight must be a number in [0.001, 1000]"),
+        (f"alice {ALICE} 1e-320\n", 1, "the weight must be a number"),  # its charges would reach infinity
         (f"alice {ALICE} nan\n", 1, "the weight must be a number"),
         (f"alice {ALICE} -1\n", 1, "the weight must be a number"),
         (f"alice {ALICE} 1e9\n", 1, "the weight must be a number"),
@@ -121,6 +123,25 @@ def test_flags(tmp_path):
         parse_args(["--model", "m", "--api-keys-file", "k", "--auth-token-file", "t"], env={})
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--max-queued-per-tenant", "-1"], env={})
+
+
+def test_a_keys_file_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, caplog):
+    path, fifo = tmp_path / "keys", tmp_path / "fifo"
+    path.write_text(f"alice {ALICE} 0.001\n")
+    auth = Auth.from_files(None, str(path))
+    assert auth.tenant_of(bearer(ALICE)).weight == 0.001  # the smallest weight
+    os.mkfifo(fifo)
+    path.unlink()
+    path.symlink_to(fifo)  # nobody ever writes to it: opening it to read would wait for good
+    caplog.set_level(logging.WARNING, "service.serving.auth")
+    reload = threading.Thread(target=auth.reload, daemon=True)
+    reload.start()
+    reload.join(10)
+    assert not reload.is_alive()
+    assert "not a regular file" in caplog.text and auth.tenant_of(bearer(ALICE)) is not None  # the old keys
+    for given in ({"keys_file": str(path)}, {"token_file": str(fifo)}, {"keys_file": str(tmp_path)}):
+        with pytest.raises(KeysFileError, match="not a regular file"):
+            Auth.from_files(given.get("token_file"), given.get("keys_file"))
 
 
 def test_sighup_reads_the_file_even_when_it_looks_unchanged(tmp_path):

@@ -55,9 +55,11 @@ class Intake:
     def _check_n(self, n: int) -> None:
         if not 1 <= n <= self.config.max_n:
             raise InvalidArgument("n", f"must be in [1, {self.config.max_n}] (the server's --max-n), got {n}")
-        held = self.config.max_num_seqs + self.config.max_queue
+        held, limits = self.config.max_num_seqs + self.config.max_queue, "--max-num-seqs + --max-queue"
+        queued = self.config.max_queued_per_tenant
+        if queued is not None and self.config.max_num_seqs + queued < held:
+            held, limits = self.config.max_num_seqs + queued, "--max-num-seqs + --max-queued-per-tenant"
         if n > held:  # never served, however long the client retried: not a full queue
-            limits = "--max-num-seqs + --max-queue"
             raise InvalidArgument("n", f"must be at most {held} here: the server holds no more requests ({limits})")
 
     async def shape(self, asked: GenerationRequest) -> Shape:

@@ -13,8 +13,9 @@ import logging
 import math
 import os
 import re
+import stat
+import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 from service.core.request import DEFAULT_TENANT, Tenant
 
@@ -23,7 +24,9 @@ log = logging.getLogger(__name__)
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # also a Prometheus label value and a log field
 KEY = re.compile(r"[\x21-\x7e]+")  # what an Authorization header carries unchanged: visible ASCII
 MIN_KEY_CHARS, MAX_KEY_CHARS = 16, 256
-MAX_WEIGHT = 1000.0
+# a weight divides the tokens charged to its tenant: below MIN_WEIGHT the charges reach float infinity (or
+# swallow every other tenant's in rounding) and admission stops being fair for everyone
+MIN_WEIGHT, MAX_WEIGHT = 0.001, 1000.0
 MAX_TENANTS = 1000  # the tenant label's values in the metrics are bounded by it
 MAX_FILE_BYTES = 1 << 20
 
@@ -65,7 +68,7 @@ def parse_keys(text: str, source: str, own_cache: bool = True) -> Keys:
             raise refuse(f"a key is {MIN_KEY_CHARS} to {MAX_KEY_CHARS} visible ASCII characters")
         weight = _weight(fields[2]) if len(fields) == 3 else 1.0
         if weight is None:
-            raise refuse(f"the weight must be a number in (0, {MAX_WEIGHT:g}], got {fields[2][:32]!r}")
+            raise refuse(f"the weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {fields[2][:32]!r}")
         digest = hashlib.sha256(key.encode()).digest()
         if digest in seen:
             raise refuse(f"the same key as line {seen[digest]}; each key names one tenant")
@@ -86,13 +89,23 @@ def _weight(text: str) -> float | None:
         weight = float(text)
     except ValueError:
         return None
-    return weight if 0 < weight <= MAX_WEIGHT and math.isfinite(weight) else None
+    return weight if MIN_WEIGHT <= weight <= MAX_WEIGHT and math.isfinite(weight) else None
+
+
+def read_regular_file(path: str, limit: int) -> bytes:
+    """Up to limit + 1 bytes of a regular file; KeysFileError for anything else (a FIFO or a device would block
+    the reading thread for good: opened without waiting, then refused), OSError when it cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise KeysFileError(f"{path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit + 1)
 
 
 def read_keys(path: str, own_cache: bool = True) -> Keys:
     """The keys in a keys file; KeysFileError (OSError for a file that cannot be read) naming the file."""
-    with open(path, "rb") as f:
-        data = f.read(MAX_FILE_BYTES + 1)
+    data = read_regular_file(path, MAX_FILE_BYTES)
     if len(data) > MAX_FILE_BYTES:
         raise KeysFileError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
     try:
@@ -116,6 +129,7 @@ class Auth:
     def __init__(self, keys: Keys | None = None, path: str | None = None, own_cache: bool = True) -> None:
         self.keys, self.path, self.own_cache = keys, path, own_cache
         self._seen = _signature(path) if path else None
+        self._reloading = threading.Lock()  # one read at a time: a slower, older read never wins over a newer one
 
     @classmethod
     def from_files(cls, token_file: str | None, keys_file: str | None, share_cache: bool = False) -> Auth:
@@ -128,7 +142,7 @@ class Auth:
             auth._seen = signature
             return auth
         if token_file:
-            token = Path(token_file).read_text().strip()
+            token = read_regular_file(token_file, MAX_FILE_BYTES).decode("utf-8", "replace").strip()
             if not token:
                 raise ValueError("the auth token file is empty")
             return cls(Keys(((hashlib.sha256(token.encode()).digest(), DEFAULT_TENANT),)))
@@ -161,16 +175,17 @@ class Auth:
         that cannot be read or used leaves the keys as they were, with one warning per change of the file."""
         if self.path is None:
             return False
-        signature = _signature(self.path)
-        if signature == self._seen and not force:
-            return False
-        self._seen = signature
-        try:
-            keys = read_keys(self.path, self.own_cache)
-        except (OSError, ValueError) as exc:
-            log.warning("keeping the previous API keys: %s", exc)
-            return False
-        self.keys = keys
+        with self._reloading:
+            signature = _signature(self.path)
+            if signature == self._seen and not force:
+                return False
+            self._seen = signature
+            try:
+                keys = read_keys(self.path, self.own_cache)
+            except (OSError, ValueError) as exc:
+                log.warning("keeping the previous API keys: %s", exc)
+                return False
+            self.keys = keys
         log.info("API keys reloaded from %s: %d keys of %d tenants", self.path, len(keys.entries), len(keys.tenants))
         return True
 
