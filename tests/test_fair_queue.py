@@ -54,6 +54,16 @@ def test_tenants_alternate_in_proportion_to_their_weights():
     assert order.count("a") == 6 and order.count("b") == 3
 
 
+def test_a_reloaded_weight_stays_when_an_older_request_is_preempted_back_into_the_queue():
+    q = FairQueue()
+    old = request("a", weight=1.0)
+    q.add(old)
+    q.admitted(old)
+    q.add(request("a", weight=4.0))  # the keys file was reloaded: a's weight is now 4
+    q.add(old)  # preempted: back in line with the weight it came with
+    assert q.tenants() == {"a": 4.0}
+
+
 def test_priority_orders_a_tenants_own_requests_only():
     q = FairQueue()
     low, high = request("a", priority=5), request("a", priority=-5)

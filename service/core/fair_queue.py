@@ -49,8 +49,9 @@ class FairQueue:
     def add(self, request: Request) -> None:
         """Queue a request: a new one behind its tenant's requests of the same priority, a preempted one
         back where it was."""
-        tenant = self._tenants.setdefault(self._key(request), _Tenant())
-        tenant.weight = request.tenant_weight  # the latest request's: a reloaded weight applies from now on
+        tenant = self._tenants.setdefault(self._key(request), _Tenant(request.tenant_weight))
+        if request.id not in self._order:  # a new request's: a reloaded weight applies from now on (not a
+            tenant.weight = request.tenant_weight  # preempted request's, which came with the weight before)
         if not tenant.queue:
             tenant.vtime = max(tenant.vtime, self._clock)
         key = self._order.setdefault(request.id, (request.priority, next(self._arrivals)))

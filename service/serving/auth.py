@@ -8,14 +8,13 @@ starting with `#` are skipped. A tenant may have several keys (to rotate them), 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import math
 import os
 import re
 import stat
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.core.request import DEFAULT_TENANT, Tenant
 
@@ -40,6 +39,10 @@ class Keys:
     """SHA-256 digests of the keys, each with its tenant."""
 
     entries: tuple[tuple[bytes, Tenant], ...]
+    by_digest: dict[bytes, Tenant] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_digest", dict(self.entries))  # frozen: set once, here
 
     @property
     def tenants(self) -> list[str]:
@@ -157,18 +160,14 @@ class Auth:
         return self.keys.tenants if self.keys is not None else [DEFAULT_TENANT.name]
 
     def tenant_of(self, authorization: bytes | None) -> Tenant | None:
-        """The tenant whose key an Authorization value carries; None when it carries none of the keys. Every
-        key's digest is compared, in constant time, whichever matches."""
+        """The tenant whose key an Authorization value carries; None when it carries none of the keys. The token's
+        SHA-256 digest is looked up: the time a lookup takes tells a caller about digests, which say nothing of
+        the keys, and it does not grow with the number of keys (comparing each was ~3 ms for a 1 MiB file)."""
         keys = self.keys  # one snapshot: a reload replaces it whole
         if keys is None:
             return DEFAULT_TENANT
         token = bearer_token(authorization or b"")
-        digest = hashlib.sha256(token or b"").digest()
-        found = None
-        for key_digest, tenant in keys.entries:
-            if hmac.compare_digest(digest, key_digest):
-                found = tenant
-        return found if token else None
+        return keys.by_digest.get(hashlib.sha256(token).digest()) if token else None
 
     def reload(self, force: bool = False) -> bool:
         """Read the keys file again if it changed (or when forced, on SIGHUP); True when new keys apply. A file
