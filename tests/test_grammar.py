@@ -190,3 +190,25 @@ def test_a_broken_matcher_reports_its_error_instead_of_raising(qwen, tiny_qwen3_
     assert matcher.error and "\n" not in matcher.error and len(matcher.error) <= 300  # a line for the client
     assert matcher.field == "response_format.choice"  # what the request's error names
     assert set(np.nonzero(allowed(matcher.masks(), VOCAB)[0])[0]) <= set(EOS)  # only eos: the reply can end
+
+
+def test_a_pathological_expression_stops_at_the_lexers_limit_instead_of_stalling_every_request(smollm2, smollm2_ir):
+    """`(a{700}){700}` is 13 bytes; with llguidance's default limits its masks took seconds of the engine's time.
+    Under the server's limits its matcher stops within a few tokens with an error naming the limit (its request
+    fails alone), or is refused before it is queued; an ordinary expression of the same shape is untouched."""
+    a = HFTokenizer.from_file(str(smollm2_ir / "tokenizer.json")).token_to_id("a")
+    try:
+        matcher = smollm2.matcher(ResponseFormat.regex("(a{700}){700}"))
+    except InvalidArgument as refused:
+        assert refused.field == "response_format.regex" and "too complex" in str(refused)
+    else:
+        for _ in range(3):
+            if matcher.error:
+                break
+            matcher.masks()
+            matcher.advance(a)
+        assert "too many expressions" in matcher.error
+    ordinary = smollm2.matcher(ResponseFormat.regex("(a{7}){7}"))
+    for _ in range(49):
+        ordinary.advance(a)
+    assert ordinary.error == "" and ordinary.done

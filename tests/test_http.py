@@ -133,6 +133,8 @@ def test_logprobs(sdk, model):
         ({"max_completion_tokens": 5, "max_tokens": "x"}, "max_tokens"),
         ({"n": 0}, "n"),
         ({"n": 1000}, "n"),
+        ({"n": 2**63}, "n"),  # nothing is sized by n before it is checked (a list of 2**63 was a 500)
+        ({"n": 10**10, "stream": True}, "n"),
         ({"n": "3"}, "n"),
         ({"n": 1.5}, "n"),
         ({"extra_body": {"best_of": 2}}, "best_of"),

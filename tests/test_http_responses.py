@@ -189,6 +189,8 @@ def test_reasoning_comes_as_a_reasoning_item(thinking):
             "input[0].content[0].type",
         ),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+        ({"input": [{"type": ["message"], "role": "user", "content": "hi"}]}, "input[0].type"),  # was a 500
+        ({"input": [{"type": {}, "role": "user", "content": "hi"}]}, "input[0].type"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input[0].arguments"),
         ({"input": []}, "input"),
         ({"instructions": 3}, "instructions"),

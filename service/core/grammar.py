@@ -32,6 +32,12 @@ from service.errors import InvalidArgument
 MAX_SPEC_BYTES = 64 * 1024  # a schema, a regex, the choices or a tool grammar, as text
 MAX_CHOICES = 256
 CACHE_SIZE = 128  # compiled grammars kept, least recently used dropped first
+# How much lexer-building work a matcher may do. With llguidance's defaults (1,000,000 at the start, 200,000 a
+# step) one tiny but pathological expression (`(a{700}){700}`) spent 0.8 s on its first mask and 0.3 s on
+# later ones, on the engine's side, while every other request waited. With these its start costs ~0.1-0.2 s,
+# spent on the caller's thread (GrammarCompiler.matcher), and a step tens of milliseconds at most; JSON schemas
+# and ordinary expressions use a small fraction of them (a first mask of 0.1-1.5 ms for SmolLM2's vocabulary).
+INITIAL_LEXER_FUEL, STEP_LEXER_FUEL = 200_000, 20_000
 # Replies are single-line JSON with Python's separators: a model free to add whitespace can pad a reply with
 # newlines until it runs out of tokens, and Qwen3 writes its tool calls this way.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -146,11 +152,16 @@ class GrammarCompiler:
         return grammar
 
     def matcher(self, fmt: ResponseFormat) -> Matcher:
-        """A fresh matcher at the start of the format's grammar."""
+        """A fresh matcher at the start of the format's grammar, its first mask computed here (on the caller's
+        thread, not the engine's): a grammar too costly for the lexer's fuel is refused before the request is queued."""
         grammar = self.compile(fmt)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        limits = llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, step_lexer_fuel=STEP_LEXER_FUEL)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise InvalidArgument(fmt.field, f"not a valid {fmt.kind.value}: {_first_line(matcher.get_error())}")
+        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size), 0)
+        if matcher.is_error():
+            raise InvalidArgument(fmt.field, f"too complex for this server: {_first_line(matcher.get_error())}")
         return Matcher(matcher, self.vocab_size, fmt.field)
 
     @staticmethod

@@ -272,10 +272,10 @@ class Api:
         call = Call(self.serving, self.metrics, "http", endpoint, generation=True)
         try:
             engine, parsed, asked = await self.prepare(request, call, parse)
-        except Exception as exc:
+            reply = make_reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
+        except Exception as exc:  # the call ends here, counted, whatever failed
             return refuse(call, exc)
         stream = engine.generate(asked)
-        reply = make_reply(parsed, engine.info.model_id, call.request_id or "", token_text(engine.tokenizer))
         clock = TokenClocks(self.metrics, call.started, call.tenant_name)
         try:
             outputs = await until_disconnected(request, collect(stream, clock, everything=not parsed.stream))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -70,7 +71,8 @@ class Reply:
         # per choice, the token texts' length so far: completions' logprobs give each token's offset as their
         # running total, as the whole response does (not the text sent, which holds back a token's text while it
         # ends inside a multi-byte character or may start a stop string)
-        self.token_chars = [0] * call.n
+        # by candidate, filled as they stream: nothing is sized by n before the engine has checked it
+        self.token_chars: Counter[int] = Counter()
         self.finals: list[RequestOutput] = []  # each choice's last output, in the order they finished
 
     @property

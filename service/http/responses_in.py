@@ -161,7 +161,11 @@ def _messages(fields: Mapping[str, Any], paths: list[tuple[str, str]]) -> list[d
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         item = object_at(item, where)
-        kind = item.get("type", "message")
+        kind = item.get("type")
+        if kind is None:  # absent or null: a message, as OpenAI reads it
+            kind = "message"
+        if not isinstance(kind, str):
+            raise InvalidArgument(f"{where}.type", f"must be a string, got {kind_of(kind)}")
         if kind not in ITEM_FIELDS:
             shown = str(kind)[:64]
             raise InvalidArgument(f"{where}.type", f"{shown!r} items are not supported; use {', '.join(ITEM_FIELDS)}")
