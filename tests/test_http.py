@@ -185,6 +185,12 @@ def test_unsupported_content_and_unknown_model(sdk, model, server):
     with pytest.raises(openai.BadRequestError) as err:
         sdk.completions.create(model=model, prompt=[5] * (n + 3))
     assert err.value.body["param"] == "prompt" and str(n + 3) in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # too long by itself: the prompt, not max_tokens, is named
+        sdk.completions.create(model=model, prompt=[5] * (n + 3), max_tokens=4)
+    assert err.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:  # fits, but not with what is asked for
+        sdk.completions.create(model=model, prompt=[5] * (n - 2), max_tokens=4)
+    assert err.value.body["param"] == "max_tokens" and "at most 2 new tokens" in err.value.body["message"]
 
 
 @pytest.mark.parametrize(

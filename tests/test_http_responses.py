@@ -220,3 +220,20 @@ def test_the_token_is_required(secure_server):
         assert http.post(url + "/v1/responses", json={"input": "hi"}).status_code == 401
         sdk = openai.OpenAI(base_url=url + "/v1", api_key=secure_server.token, http_client=http, max_retries=0)
         assert sdk.responses.create(input="hi", max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_a_grammar_over_the_lexers_limit_is_refused_naming_the_field_as_the_responses_request_spelled_it(tiny):
+    """A schema whose string pattern overruns the grammar lexer's limit with the reply's first token: a 400 naming
+    text.format (the chat field it is translated to is response_format), streamed or not; the server serves on."""
+    running, sdk, model = tiny
+    late = {"type": "string", "pattern": "^(a{700}){700}$"}
+    schema = {"type": "object", "properties": {"b": {"enum": ["x" * 40]}, "a": late}, "required": ["b", "a"]}
+    fmt = {"type": "json_schema", "name": "x", "schema": {**schema, "additionalProperties": False}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.responses.create(
+                model=model, input="hi", max_output_tokens=40, stream=stream, extra_body={"text": {"format": fmt}}
+            )
+        assert refused.value.body["param"] == "text.format.schema", refused.value.body
+        assert "mid-reply: lexer error" in refused.value.body["message"]
+    assert sdk.responses.create(model=model, input="hi", max_output_tokens=2).status == "incomplete"

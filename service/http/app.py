@@ -286,7 +286,7 @@ class Api:
                 raise
             return refuse(call, parsed.renamed(exc) if isinstance(exc, InvalidArgument) else exc)
         if parsed.stream:
-            events = self.events(call, reply, outputs[0], stream, clock)
+            events = self.events(call, reply, outputs[0], stream, clock, parsed.renamed)
             return EventStream(events, self.stream_done(call, stream), id_header(call))
         await stream.aclose()
         body = reply.response(outputs)
@@ -324,7 +324,10 @@ class Api:
         out: RequestOutput,
         stream: AsyncIterator[RequestOutput],
         clock: TokenClocks,
+        rename: Callable[[InvalidArgument], InvalidArgument],
     ) -> AsyncGenerator[bytes, None]:
+        """The stream's events; an error after the status line is sent goes in the stream, naming the field as
+        the request spelled it (rename: a Responses request's text.format, not the chat field it maps to)."""
         for chunk in reply.first_chunks():
             yield reply.encode(chunk)
         try:
@@ -337,7 +340,7 @@ class Api:
                 out = await anext(stream)
                 clock.tick(out)
         except Exception as exc:  # the status line is sent: the error goes in the stream, as OpenAI's do
-            call.error = exc
+            call.error = exc = rename(exc) if isinstance(exc, InvalidArgument) else exc
             yield reply.encode(reply.error_event(exc))
         for end in reply.closing:
             yield end

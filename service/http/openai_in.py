@@ -128,7 +128,8 @@ class ApiRequest:
         max_tokens that together exceed the context are refused, as OpenAI and vLLM refuse them; without
         max_tokens the reply may fill the context. reasoning: the reply may reason (serving.prompt.reasons)."""
         wanted = self.params.max_new_tokens
-        if self.max_tokens_given and len(ids) + wanted > max_model_len:
+        # a prompt too long by itself is the prompt's fault: the engine refuses it, naming the prompt's field
+        if self.max_tokens_given and len(ids) < max_model_len and len(ids) + wanted > max_model_len:
             raise InvalidArgument(
                 self.names["max_new_tokens"],
                 f"the prompt has {len(ids)} tokens and {wanted} more are asked for; the context holds "
