@@ -202,6 +202,7 @@ def test_unsupported_content_and_unknown_model(sdk, model, server):
         (b"[" * 100_000 + b"]" * 100_000, {}, 400, "body"),
         (b"\xff\xfe\x00garbage", {}, 400, "body"),
         (b'{"messages": "hi"}', {}, 400, "messages"),
+        (b'{"messages": [{"role": "assistant", "tool_calls": {}}]}', {}, 400, "messages[0].tool_calls"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": true}', {}, 400, "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}', {}, 400, "max_tokens"),
         (b'{"messages": [{"role": "hacker", "content": "hi"}]}', {}, 400, "messages[0].role"),

@@ -354,9 +354,9 @@ def messages(raw: Any) -> list[dict[str, Any]]:
         role = string_at(m, "role", where)
         if role is None:
             raise InvalidArgument(f"{where}.role", "is required")
-        # only an assistant turn that made tool calls may go without content, as OpenAI has it
-        may_be_empty = role == "assistant" and bool(m.get("tool_calls"))
-        content = _content(m.get("content"), where, may_be_empty)
+        # checked first: only an assistant turn that made tool calls may go without content, as OpenAI has it
+        calls = _message_calls(m["tool_calls"], f"{where}.tool_calls") if "tool_calls" in m else None
+        content = _content(m.get("content"), where, may_be_empty=role == "assistant" and bool(calls))
         message: dict[str, Any] = {"role": CHAT_ROLES.get(role, role), "content": content}
         for name in ("tool_call_id", "name"):
             if string_at(m, name, where) is not None:
@@ -365,8 +365,8 @@ def messages(raw: Any) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise InvalidArgument(f"{where}.reasoning", "only assistant messages carry reasoning")
             message["reasoning_content"] = m["reasoning"]  # Qwen3's templates call it so
-        if "tool_calls" in m:
-            message["tool_calls"] = _message_calls(m["tool_calls"], f"{where}.tool_calls")
+        if calls is not None:
+            message["tool_calls"] = calls
         out.append(message)
     return out
 
