@@ -198,6 +198,7 @@ def test_reasoning_comes_as_a_reasoning_item(thinking):
         ({"temperature": "hot"}, "temperature"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": "s"}}}, "text.format.schema"),
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_object", "schema": {"type": "object"}}}}, "text.format.schema"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"chat_template_kwargs": {"enable_thinking": 1}}, "chat_template_kwargs.enable_thinking"),
