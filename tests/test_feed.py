@@ -144,3 +144,28 @@ def test_a_reply_past_its_turn_or_to_a_raw_prompt_is_never_cached():
     again = add(s, [*raw.prompt_token_ids, *raw.output_token_ids], max_new_tokens=1)
     run(s)
     assert again.num_cached_tokens == 8  # the prompt's blocks; the reply's rows were never cached
+
+
+class RemoteOnly:
+    """A tier below RAM with nothing on disk: every chain is tried remotely (as a remote tier that answers)."""
+
+    def count_chain(self, digests) -> int:
+        return 0
+
+    def count_remote(self, digests) -> int:
+        return len(digests)
+
+    def touch(self, digests) -> None:
+        pass
+
+
+def test_a_restored_block_given_back_is_taken_from_the_tier_it_came_from():
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16)
+    s = Scheduler(config, KVCacheManager(64, BS), 256, feed=FEED, disk=RemoteOnly())
+    r = add(s, list(range(100, 109)), max_new_tokens=1)  # 9 piece tokens: two full blocks, both tried remotely
+    load = s.schedule().loads[0]
+    assert len(load.digests) == 2
+    s.loaded(r.id, 2, num_remote=2)  # both fetched; the second is given back (it would leave one piece token)
+    assert (r.num_computed_tokens, r.num_cached_tokens) == (4, 4)
+    assert (r.num_restored_tokens, r.num_remote_tokens) == (0, 4)  # was (-4, 8)
+    assert (s.num_restored_tokens, s.num_remote_tokens) == (0, 4)

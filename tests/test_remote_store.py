@@ -2,8 +2,11 @@
 over plain arrays standing in for the KV cache tensors, against a real redis-server that the tests stop, refill
 with hostile values, lock with a password and fill up."""
 
+import contextlib
 import hashlib
 import logging
+import socket
+import threading
 import time
 
 import numpy as np
@@ -109,6 +112,42 @@ def test_a_store_that_is_not_there_is_down_at_once_with_one_warning(caplog):
     assert fetch_into(tier, [digest(0)], [0]) == 0 and time.monotonic() - start < 1
     tier.close(1)
     assert caplog.text.count("does not answer") == 1
+
+
+def test_an_endpoint_that_speaks_something_else_is_a_store_that_is_down(caplog):
+    """Every command answered `+OK` (not what the client's handshake expects: it fails outside its own errors).
+    Before, that killed the publisher thread, the only one that pings the store, so the tier never came back."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer_ok() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(0.5)
+                with contextlib.suppress(OSError):
+                    while conn.recv(65536):
+                        conn.sendall(b"+OK\r\n")
+
+    threading.Thread(target=answer_ok, daemon=True).start()
+    cache = cache_arrays()
+    url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    store = RemoteStore(url, IDENTITY, payload_bytes(cache), timeout=0.2)
+    tier = KVRemoteTier(store, cache)
+    try:
+        with caplog.at_level(logging.WARNING):
+            tier.start()
+            wait_for(lambda: store.counters.num_errors >= 1)
+        assert not store.up and "does not answer" in caplog.text
+        wait_for(lambda: store.counters.num_errors >= 2)  # pinged again after its backoff: the tier lives on
+    finally:
+        tier.close(1)
+        stop.set()
+        listener.close()
 
 
 # -- against redis-server ------------------------------------------------------------------------------------

@@ -211,23 +211,23 @@ class Scheduler:
             self._cache_blocks(request, request.num_computed_tokens + num_restored)
             self.kv.free(request.id)
             return
-        if load.first:  # usage promised every block; take back what could not be restored
-            missing = (len(load.digests) - num_loaded) * self.kv.block_size
-            request.num_cached_tokens -= missing
-            request.num_restored_tokens -= missing + num_remote * self.kv.block_size
-            request.num_remote_tokens = num_remote * self.kv.block_size
         request.num_computed_tokens += num_restored
-        self.num_restored_tokens += num_restored - num_remote * self.kv.block_size
-        self.num_remote_tokens += num_remote * self.kv.block_size
         self._cache_blocks(request, request.num_computed_tokens)
         # a restore that ends one token before the end of a piece run gives its last block back: that token is
         # read in a piece with the one before it (the prefix hit it started from was a place to start)
+        kept = num_loaded
         while request.rows is not None and not can_start(request.rows, request.num_computed_tokens):
             request.num_computed_tokens -= self.kv.block_size
-            if load.first:
-                request.num_cached_tokens -= self.kv.block_size
-                request.num_restored_tokens -= self.kv.block_size
+            kept -= 1
         self.kv.trim(request.id, request.num_computed_tokens)
+        # the blocks kept, by tier: the remote ones are the chain's last (fetched after the disk's)
+        remote = max(0, num_remote - (num_loaded - kept)) * self.kv.block_size
+        disk = kept * self.kv.block_size - remote
+        if load.first:  # usage promised every block; take back what was not restored or was given back
+            request.num_cached_tokens -= (len(load.digests) - kept) * self.kv.block_size
+            request.num_restored_tokens, request.num_remote_tokens = disk, remote
+        self.num_restored_tokens += disk
+        self.num_remote_tokens += remote
         request.status = Status.RUNNING
         self.running.append(request)
 

@@ -112,7 +112,9 @@ class RemoteStore:
             return False
         try:
             self.client.ping()
-        except redis.RedisError as exc:
+        # not only RedisError: an endpoint that speaks something else makes the client fail in other ways (an
+        # AttributeError in its handshake), and the store is then as unusable as one that is down
+        except Exception as exc:
             self._failed(exc)
             return False
         self._answered()
@@ -160,7 +162,7 @@ class RemoteStore:
                 pipe.pexpire(self.key(digest), self.ttl_ms)  # a block in use is kept
         try:
             replies = pipe.execute(raise_on_error=False)
-        except redis.RedisError as exc:
+        except Exception as exc:  # as in check
             self._failed(exc)
             return []
         self._answered()
@@ -210,7 +212,7 @@ class RemoteStore:
             )
         try:
             self.client.delete(self.key(digest))
-        except redis.RedisError as exc:
+        except Exception as exc:  # as in check
             self._failed(exc)
 
     def publish(self, blocks: Sequence[tuple[bytes, bytes]]) -> bool:
@@ -221,7 +223,7 @@ class RemoteStore:
             pipe.set(self.key(digest), block_header(self.identity, digest, payload) + payload, px=self.ttl_ms)
         try:
             replies = pipe.execute(raise_on_error=False)
-        except redis.RedisError as exc:
+        except Exception as exc:  # as in check
             self._failed(exc)
             return False
         self._answered()
