@@ -127,6 +127,8 @@ def test_an_endpoint_that_speaks_something_else_is_a_store_that_is_down(caplog):
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
+            except OSError:  # the listener was closed: the test is over
+                return
             with conn:
                 conn.settimeout(0.5)
                 with contextlib.suppress(OSError):
@@ -148,6 +150,55 @@ def test_an_endpoint_that_speaks_something_else_is_a_store_that_is_down(caplog):
         tier.close(1)
         stop.set()
         listener.close()
+
+
+class SlowStore:
+    """A store that answers, a batch every `seconds`, with every block present (zeros): what a slow store's
+    fetches look like to the tier."""
+
+    up = True
+
+    def __init__(self, cache, seconds: float) -> None:
+        self.payload, self.seconds = memoryview(bytes(payload_bytes(cache))), seconds
+
+    def check(self) -> bool:
+        return True
+
+    def fetch(self, digests) -> list[memoryview]:
+        time.sleep(self.seconds)
+        return [self.payload] * len(digests)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_fetch_ends_by_its_deadline_from_when_it_was_asked_for_not_from_its_turn():
+    cache = cache_arrays(num_blocks=64)
+    tier = KVRemoteTier(SlowStore(cache, 0.2), cache, load_deadline=0.5)  # type: ignore[arg-type]
+    tier.start()
+    first, second = Reports(), Reports()
+    tier.load(1, [digest(i) for i in range(48)], list(range(48)), first)  # 6 round trips: cut at 0.5 s
+    tier.load(2, [digest(i) for i in range(48, 56)], list(range(48, 56)), second)
+    assert 0 < first.wait().num_loaded < 48
+    assert second.wait().num_loaded == 0  # its 0.5 s had passed while it waited: the request computes instead
+    tier.load(3, [digest(i) for i in range(8)], list(range(8)), third := Reports(), deadline=time.monotonic())
+    assert third.wait().num_loaded == 0  # the request's own deadline, sooner than load_deadline
+    tier.close(1)
+
+
+def test_an_aborted_requests_fetch_ends_before_its_next_round_trip():
+    cache = cache_arrays(num_blocks=64)
+    tier = KVRemoteTier(SlowStore(cache, 0.2), cache, load_deadline=30)  # type: ignore[arg-type]
+    tier.start()
+    reports = Reports()
+    tier.load(1, [digest(i) for i in range(48)], list(range(48)), reports)
+    time.sleep(0.1)
+    tier.cancel(1)
+    assert reports.wait().num_loaded <= 2 * BATCH_BLOCKS  # not all six round trips
+    tier.cancel(1)  # a cancel after the fetch ended does nothing
+    tier.load(1, [digest(i) for i in range(8)], list(range(8)), again := Reports())
+    assert again.wait().num_loaded == 8
+    tier.close(1)
 
 
 # -- against redis-server ------------------------------------------------------------------------------------

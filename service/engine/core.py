@@ -195,6 +195,8 @@ class EngineCore:
             request = self.scheduler.requests.get(command.request_id)
             if request is not None:
                 self.scheduler.finish(request, FinishReason.ABORT)
+                if self.tiers is not None:  # a load still under way for it ends early
+                    self.tiers.cancel(request.id)
                 self._publish([output_of(request, [], [])])
         return False
 
@@ -220,8 +222,11 @@ class EngineCore:
         clock.lap("schedule")
         if self.tiers is not None:
             for load in plan.loads:
-                self.tiers.load(load.request.id, load.digests, load.block_ids)
+                self.tiers.load(load.request.id, load.digests, load.block_ids, load.request.deadline)
         outputs = [error_of(r, DeadlineExceeded("the request's deadline passed")) for r in plan.expired]
+        if self.tiers is not None:
+            for request in plan.expired:  # a load still under way for it ends early
+                self.tiers.cancel(request.id)
         if plan.chunks:
             try:
                 outputs += self._run_plan(plan, clock)

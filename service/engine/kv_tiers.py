@@ -66,22 +66,36 @@ class KVTiers:
             if tier is not None:
                 tier.save(blocks)
 
-    def load(self, request_id: int, digests: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        """Restore digests into block_ids from disk, then from the remote tier; report is called once."""
+    def load(
+        self, request_id: int, digests: Sequence[bytes], block_ids: Sequence[int], deadline: float | None = None
+    ) -> None:
+        """Restore digests into block_ids from disk, then from the remote tier (by the request's deadline, if it
+        has one); report is called once."""
         start = time.perf_counter()
         on_disk = self.count_chain(digests)
         if self.disk is not None and on_disk:
 
             def restored(result: LoadResult) -> None:
-                self._continue(request_id, digests, block_ids, result.num_loaded, start)
+                self._continue(request_id, digests, block_ids, result.num_loaded, start, deadline)
 
             self.disk.load(request_id, digests[:on_disk], block_ids[:on_disk], restored)
         else:
-            self._continue(request_id, digests, block_ids, 0, start)
+            self._continue(request_id, digests, block_ids, 0, start, deadline)
+
+    def cancel(self, request_id: int) -> None:
+        """The request ended while loading: its remote fetch stops early (a disk restore is short: it runs on)."""
+        if self.remote is not None:
+            self.remote.cancel(request_id)
 
     # -- the tiers' threads --------------------------------------------------------------------------------
     def _continue(
-        self, request_id: int, digests: Sequence[bytes], block_ids: Sequence[int], num_restored: int, start: float
+        self,
+        request_id: int,
+        digests: Sequence[bytes],
+        block_ids: Sequence[int],
+        num_restored: int,
+        start: float,
+        deadline: float | None,
     ) -> None:
         """num_restored blocks came from disk: fetch the rest remotely, if there is a remote tier and a rest."""
         if self.remote is None or num_restored == len(digests):
@@ -95,7 +109,7 @@ class KVTiers:
             total = num_restored + result.num_loaded
             self.report(LoadResult(request_id, total, time.perf_counter() - start, num_remote=result.num_loaded))
 
-        self.remote.load(request_id, digests[num_restored:], block_ids[num_restored:], fetched)
+        self.remote.load(request_id, digests[num_restored:], block_ids[num_restored:], fetched, deadline)
 
 
 def build_tiers(

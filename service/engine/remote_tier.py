@@ -9,8 +9,10 @@ Fetching: a request's chain continues past RAM and local disk into the store wit
 blocks are there: the fetch itself finds out, in pipelined batches of BATCH_BLOCKS from the chain's head,
 stopping at the first block absent or refused. It runs on the fetcher thread, straight into the pool blocks the
 scheduler set aside for the request, which waits in the loading state while every other request keeps stepping.
-A fetch ends within about load_deadline seconds whatever the store does; a store that is down is not asked at
-all (count_chain is 0), and the publisher pings it again after a backoff.
+Fetches run one at a time, each ending by its deadline: load_deadline seconds after it was asked for (not after
+the fetches before it), or the request's own deadline if sooner, checked between round trips; and as soon as its
+request is aborted or expires (cancel). A store that is down is not asked at all (count_chain is 0), and the
+publisher pings it again after a backoff.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class _Fetch:
     digests: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     report: Report
+    deadline: float  # time.monotonic() by which the fetch ends
 
 
 @dataclass
@@ -70,6 +73,8 @@ class KVRemoteTier:
         self.counters = RemoteTierCounters()
         self._known: OrderedDict[bytes, None] = OrderedDict()  # least recently seen first
         self._fetches: deque[_Fetch] = deque()
+        self._fetching: set[int] = set()  # request ids with a fetch queued or running
+        self._cancelled: set[int] = set()  # of those, the ones whose request ended
         self._publishes: deque[BlockCopies] = deque()
         self._pending_bytes = 0
         self._lock = threading.Condition()
@@ -125,12 +130,29 @@ class KVRemoteTier:
             self._pending_bytes += publish.num_bytes
             self._lock.notify_all()
 
-    def load(self, request_id: int, digests: Sequence[bytes], block_ids: Sequence[int], report: Report) -> None:
-        """Fetch digests into block_ids, in order, stopping at the first block absent or refused; report is called
-        (on the fetcher thread) with how many were."""
+    def load(
+        self,
+        request_id: int,
+        digests: Sequence[bytes],
+        block_ids: Sequence[int],
+        report: Report,
+        deadline: float | None = None,
+    ) -> None:
+        """Fetch digests into block_ids, in order, stopping at the first block absent or refused, at the fetch's
+        deadline (load_deadline from now, or `deadline`, the request's, if sooner) or when cancelled; report is
+        called (on the fetcher thread) with how many were."""
+        ends = time.monotonic() + self.load_deadline
+        ends = ends if deadline is None else min(ends, deadline)
         with self._lock:
-            self._fetches.append(_Fetch(request_id, tuple(digests), tuple(block_ids), report))
+            self._fetches.append(_Fetch(request_id, tuple(digests), tuple(block_ids), report, ends))
+            self._fetching.add(request_id)
             self._lock.notify_all()
+
+    def cancel(self, request_id: int) -> None:
+        """The request ended (aborted, expired): its fetch, queued or running, ends before its next round trip."""
+        with self._lock:
+            if request_id in self._fetching:
+                self._cancelled.add(request_id)
 
     # -- fetcher thread ------------------------------------------------------------------------------------
     def _fetch_loop(self) -> None:
@@ -146,13 +168,21 @@ class KVRemoteTier:
             except Exception:  # a load must always be reported, or its blocks would never be freed
                 log.exception("kv remote tier: fetching a prefix failed; it will be computed")
                 result = LoadResult(job.request_id, 0, 0.0)
+            with self._lock:
+                self._fetching.discard(job.request_id)
+                self._cancelled.discard(job.request_id)
             job.report(result)
 
     def _fetch(self, job: _Fetch) -> LoadResult:
         start = time.perf_counter()
-        deadline = time.monotonic() + self.load_deadline
         num_loaded = 0
-        while num_loaded < len(job.digests) and self.store.up and not self._closing and time.monotonic() < deadline:
+        while (
+            num_loaded < len(job.digests)
+            and self.store.up
+            and not self._closing
+            and time.monotonic() < job.deadline
+            and job.request_id not in self._cancelled
+        ):
             batch = job.digests[num_loaded : num_loaded + BATCH_BLOCKS]
             payloads = self.store.fetch(batch)
             for payload in payloads:
