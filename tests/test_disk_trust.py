@@ -307,3 +307,19 @@ def test_a_live_servers_folder_is_never_removed_as_abandoned(tmp_path, live):
     if live:
         assert digest(0) in other.store and other.store.read(digest(0), other.block_bytes) is not None
         other.close(5)
+
+
+def test_blocks_are_keyed_by_the_cpus_kind(tmp_path, monkeypatch):
+    """A fleet sharing a store across CPUs of other kinds (AVX2 against AVX-512 or AMX: other kernels, other bits)
+    never reads another kind's blocks; the same kind, the same key."""
+    from service.core.config import EngineConfig
+    from service.engine import kv_tiers
+    from service.engine.model_files import ModelFiles
+
+    model = ModelFiles(tmp_path, {}, {}, {"ir_digest": "d"})
+    avx2, avx512 = "avx2", "avx2 avx512_bf16 avx512_vnni avx512f"
+    identity: dict[str, set[bytes]] = {}
+    for kind in (avx2, avx512, avx2):
+        monkeypatch.setattr(kv_tiers, "cpu_kind", lambda kind=kind: kind)
+        identity.setdefault(kind, set()).add(kv_tiers.kv_identity(model, EngineConfig(), "format"))
+    assert len(identity[avx2]) == 1 and identity[avx2] != identity[avx512]

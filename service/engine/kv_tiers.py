@@ -155,13 +155,32 @@ def remote_tier(config: EngineConfig, identity: bytes, cache: list[np.ndarray]) 
     return KVRemoteTier(store, cache)
 
 
+# The CPU's vector instruction sets that choose OpenVINO's kernels (AVX2, AVX-512 and its VNNI, BF16 and FP16
+# parts, AMX): replicas of a fleet on different CPUs may compute other bits for the same tokens
+KERNEL_FLAGS = frozenset(
+    ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+)
+
+
+def cpu_kind() -> str:
+    """The KERNEL_FLAGS this CPU has, as text ("unknown" where /proc/cpuinfo cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.partition(":")[2].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    return "unknown" if flags is None else " ".join(sorted(KERNEL_FLAGS.intersection(flags)))
+
+
 def kv_identity(model: ModelFiles, config: EngineConfig, cache_format: str) -> bytes:
     """Everything that changes what a KV block holds: the model's content, the cache's format (runtime,
-    precision, block shape, the activations' precision, how steps feed tokens) and the settings that change the
-    numbers written (dynamic quantization). Thread counts are left out: they change only the order of sums."""
+    precision, block shape, the activations' precision, how steps feed tokens), the CPU's kind (its kernels) and
+    the settings that change the numbers written (dynamic quantization). Thread counts and the step budget are
+    left out: they did not change a block's bytes (docs/API.md, Reproducible replies)."""
     parts = {
         "model": model.digest,
         "cache_format": cache_format,
+        "cpu": cpu_kind(),
         "kv_cache_precision": config.kv_cache_precision,
         "dq_group_size": config.dq_group_size,
     }
