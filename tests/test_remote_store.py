@@ -201,6 +201,26 @@ def test_an_aborted_requests_fetch_ends_before_its_next_round_trip():
     tier.close(1)
 
 
+def test_a_fetch_is_reported_even_when_keeping_its_blocks_on_disk_fails(tmp_path, caplog):
+    """Else the fetcher thread would die: no later load reported, their blocks and places held for good."""
+    cache = cache_arrays(num_blocks=64)
+    reports = Reports()
+    disk = KVDiskTier(DiskStore(tmp_path / "disk", IDENTITY, 1 << 20), cache, reports)
+
+    def broken_save(blocks) -> None:
+        raise MemoryError("no room to copy the blocks")
+
+    disk.save = broken_save  # type: ignore[method-assign]
+    remote = KVRemoteTier(SlowStore(cache, 0.0), cache)  # type: ignore[arg-type]
+    remote.start()
+    tiers = KVTiers(disk, remote, reports)
+    for request_id in (1, 2):  # the second load is reported too: the thread lives on
+        tiers.load(request_id, [digest(i) for i in range(4)], list(range(4)))
+        assert reports.wait().num_loaded == 4
+    assert "keeping fetched blocks on disk failed" in caplog.text
+    tiers.close(5)
+
+
 # -- against redis-server ------------------------------------------------------------------------------------
 def test_published_blocks_come_back_byte_for_byte_in_another_tier(server):
     cache = cache_arrays()

@@ -105,7 +105,10 @@ class KVTiers:
         def fetched(result: LoadResult) -> None:
             got = slice(num_restored, num_restored + result.num_loaded)
             if self.disk is not None and result.num_loaded:
-                self.disk.save(list(zip(digests[got], block_ids[got], strict=True)))
+                try:  # kept on disk too; whatever fails there, the load is reported, or its blocks stay held
+                    self.disk.save(list(zip(digests[got], block_ids[got], strict=True)))
+                except Exception:
+                    log.exception("kv tiers: keeping fetched blocks on disk failed")
             total = num_restored + result.num_loaded
             self.report(LoadResult(request_id, total, time.perf_counter() - start, num_remote=result.num_loaded))
 
