@@ -221,6 +221,39 @@ def test_a_fetch_is_reported_even_when_keeping_its_blocks_on_disk_fails(tmp_path
     tiers.close(5)
 
 
+class SlowDisk(DiskStore):
+    """A disk that answers each read after `seconds` (within the tier's timeout: the tier stays on)."""
+
+    seconds = 0.1
+
+    def read(self, digest: bytes, payload_bytes: int):
+        time.sleep(self.seconds)
+        return super().read(digest, payload_bytes)
+
+
+def test_a_restore_and_the_fetch_after_it_end_when_their_request_ends(tmp_path):
+    cache = cache_arrays(num_blocks=64)
+    reports = Reports()
+    disk = KVDiskTier(SlowDisk(tmp_path / "disk", IDENTITY, 1 << 20), cache, reports)
+    disk.start()
+    disk.save([(digest(i), i) for i in range(20)])
+    wait_for(lambda: disk.store.counters.num_written == 20)
+    remote = KVRemoteTier(SlowStore(cache, 0.0), cache)  # type: ignore[arg-type]
+    remote.start()
+    tiers = KVTiers(disk, remote, reports)
+    tiers.load(1, [digest(i) for i in range(28)], list(range(28)))  # 20 on disk, 8 more tried remotely
+    time.sleep(0.25)
+    tiers.cancel(1)
+    result = reports.wait()
+    assert result.num_loaded < 20 and result.num_remote == 0  # the restore stopped; no fetch was asked for
+    tiers.load(2, [digest(i) for i in range(28)], list(range(28)), deadline=time.monotonic())
+    assert reports.wait().num_loaded == 0  # its request's deadline had passed
+    tiers.cancel(2)  # after the load ended: nothing to stop
+    tiers.load(3, [digest(i) for i in range(4)], list(range(4)))
+    assert reports.wait().num_loaded == 4
+    tiers.close(5)
+
+
 # -- against redis-server ------------------------------------------------------------------------------------
 def test_published_blocks_come_back_byte_for_byte_in_another_tier(server):
     cache = cache_arrays()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +37,9 @@ class KVTiers:
         self.disk = disk
         self.remote = remote
         self.report = report
+        self._lock = threading.Lock()
+        self._loading: set[int] = set()  # request ids with a load under way
+        self._cancelled: set[int] = set()  # of those, the ones whose request ended
 
     def start(self) -> None:
         for tier in (self.disk, self.remote):
@@ -72,20 +76,27 @@ class KVTiers:
         """Restore digests into block_ids from disk, then from the remote tier (by the request's deadline, if it
         has one); report is called once."""
         start = time.perf_counter()
+        with self._lock:
+            self._loading.add(request_id)
         on_disk = self.count_chain(digests)
         if self.disk is not None and on_disk:
 
             def restored(result: LoadResult) -> None:
                 self._continue(request_id, digests, block_ids, result.num_loaded, start, deadline)
 
-            self.disk.load(request_id, digests[:on_disk], block_ids[:on_disk], restored)
+            self.disk.load(request_id, digests[:on_disk], block_ids[:on_disk], restored, deadline)
         else:
             self._continue(request_id, digests, block_ids, 0, start, deadline)
 
     def cancel(self, request_id: int) -> None:
-        """The request ended while loading: its remote fetch stops early (a disk restore is short: it runs on)."""
-        if self.remote is not None:
-            self.remote.cancel(request_id)
+        """The request ended while loading: its restore and fetch stop before their next block or round trip
+        (a fetch not yet asked for, after the restore, is not asked for)."""
+        with self._lock:
+            if request_id in self._loading:
+                self._cancelled.add(request_id)
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                tier.cancel(request_id)
 
     # -- the tiers' threads --------------------------------------------------------------------------------
     def _continue(
@@ -97,10 +108,8 @@ class KVTiers:
         start: float,
         deadline: float | None,
     ) -> None:
-        """num_restored blocks came from disk: fetch the rest remotely, if there is a remote tier and a rest."""
-        if self.remote is None or num_restored == len(digests):
-            self.report(LoadResult(request_id, num_restored, time.perf_counter() - start))
-            return
+        """num_restored blocks came from disk: fetch the rest remotely, if there is a remote tier, a rest, and the
+        request has not ended."""
 
         def fetched(result: LoadResult) -> None:
             got = slice(num_restored, num_restored + result.num_loaded)
@@ -110,9 +119,20 @@ class KVTiers:
                 except Exception:
                     log.exception("kv tiers: keeping fetched blocks on disk failed")
             total = num_restored + result.num_loaded
-            self.report(LoadResult(request_id, total, time.perf_counter() - start, num_remote=result.num_loaded))
+            self._reported(LoadResult(request_id, total, time.perf_counter() - start, num_remote=result.num_loaded))
 
-        self.remote.load(request_id, digests[num_restored:], block_ids[num_restored:], fetched, deadline)
+        if self.remote is not None and num_restored < len(digests):
+            with self._lock:  # asked for under the lock: a cancel from here on reaches the fetch
+                if request_id not in self._cancelled:
+                    self.remote.load(request_id, digests[num_restored:], block_ids[num_restored:], fetched, deadline)
+                    return
+        self._reported(LoadResult(request_id, num_restored, time.perf_counter() - start))
+
+    def _reported(self, result: LoadResult) -> None:
+        with self._lock:
+            self._loading.discard(result.request_id)
+            self._cancelled.discard(result.request_id)
+        self.report(result)
 
 
 def build_tiers(
