@@ -142,6 +142,10 @@ def test_a_keys_file_that_is_not_a_regular_file_is_refused_without_blocking(tmp_
     for given in ({"keys_file": str(path)}, {"token_file": str(fifo)}, {"keys_file": str(tmp_path)}):
         with pytest.raises(KeysFileError, match="not a regular file"):
             Auth.from_files(given.get("token_file"), given.get("keys_file"))
+    binary = tmp_path / "token"
+    binary.write_bytes(b"\xff" * 20)  # a token no client could send back as it is read
+    with pytest.raises(KeysFileError, match="not UTF-8"):
+        Auth.from_files(str(binary), None)
 
 
 def test_sighup_reads_the_file_even_when_it_looks_unchanged(tmp_path):

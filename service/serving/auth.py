@@ -145,7 +145,13 @@ class Auth:
             auth._seen = signature
             return auth
         if token_file:
-            token = read_regular_file(token_file, MAX_FILE_BYTES).decode("utf-8", "replace").strip()
+            data = read_regular_file(token_file, MAX_FILE_BYTES)
+            if len(data) > MAX_FILE_BYTES:
+                raise KeysFileError(f"{token_file}: larger than {MAX_FILE_BYTES} bytes")
+            try:
+                token = data.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise KeysFileError(f"{token_file}: not UTF-8 text") from None
             if not token:
                 raise ValueError("the auth token file is empty")
             return cls(Keys(((hashlib.sha256(token.encode()).digest(), DEFAULT_TENANT),)))
