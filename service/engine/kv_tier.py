@@ -68,6 +68,7 @@ class _Load:
     block_ids: tuple[int, ...]
     report: Callable[[LoadResult], None] | None = None  # instead of the tier's on_loaded
     deadline: float | None = None  # time.monotonic() by which the restore ends: its request's deadline
+    ended: threading.Event | None = None  # set when its request ends: the restore stops before its next block
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,6 @@ class KVDiskTier:
         self._files: _FileThread | None = None  # started with the tier: an operation that never returns blocks it
         self._stuck: Future[object] | None = None  # the operation the disk has not answered
         self._loads: deque[_Load] = deque()
-        self._restoring: set[int] = set()  # request ids with a restore queued or running
-        self._cancelled: set[int] = set()  # of those, the ones whose request ended
         self._writes: deque[BlockCopies] = deque()
         self._pending_bytes = 0
         self._wake = threading.Condition()
@@ -198,20 +197,14 @@ class KVDiskTier:
         block_ids: Sequence[int],
         report: Callable[[LoadResult], None] | None = None,
         deadline: float | None = None,
+        ended: threading.Event | None = None,
     ) -> None:
         """Restore digests into block_ids, in order, stopping at the first block that cannot be read, at the
-        request's deadline or when cancelled; report (by default on_loaded) is called (on the I/O thread) with how
-        many were."""
+        request's deadline or once `ended` is set; report (by default on_loaded) is called (on the I/O thread) with
+        how many were."""
         with self._wake:
-            self._loads.append(_Load(request_id, tuple(digests), tuple(block_ids), report, deadline))
-            self._restoring.add(request_id)
+            self._loads.append(_Load(request_id, tuple(digests), tuple(block_ids), report, deadline, ended))
             self._wake.notify()
-
-    def cancel(self, request_id: int) -> None:
-        """The request ended (aborted, expired): its restore, queued or running, ends before its next block."""
-        with self._wake:
-            if request_id in self._restoring:
-                self._cancelled.add(request_id)
 
     # -- I/O thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -242,9 +235,6 @@ class KVDiskTier:
                 except Exception:  # a load must always be reported, or its blocks would never be freed
                     log.exception("kv disk tier: restoring a prefix failed; it will be computed")
                     result = LoadResult(job.request_id, 0, 0.0)
-                with self._wake:
-                    self._restoring.discard(job.request_id)
-                    self._cancelled.discard(job.request_id)
                 (job.report or self.on_loaded)(result)
             else:
                 try:
@@ -291,7 +281,9 @@ class KVDiskTier:
         for digest, block_id in zip(load.digests, load.block_ids, strict=True):
             if not self.enabled:  # the disk stopped answering: loads queued behind it end at once
                 break
-            if load.request_id in self._cancelled or (load.deadline is not None and time.monotonic() >= load.deadline):
+            if (load.ended is not None and load.ended.is_set()) or (
+                load.deadline is not None and time.monotonic() >= load.deadline
+            ):
                 break
             try:
                 payload = self._on_disk(self.store.read, digest, self.block_bytes)

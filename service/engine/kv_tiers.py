@@ -37,9 +37,9 @@ class KVTiers:
         self.disk = disk
         self.remote = remote
         self.report = report
-        self._lock = threading.Lock()
-        self._loading: set[int] = set()  # request ids with a load under way
-        self._cancelled: set[int] = set()  # of those, the ones whose request ended
+        # the loads under way, by request id: each one's "its request ended", set by cancel and read by the tier
+        # that works on it (dict operations are atomic: the engine thread adds and cancels, the tiers' remove)
+        self._ended: dict[int, threading.Event] = {}
 
     def start(self) -> None:
         for tier in (self.disk, self.remote):
@@ -76,27 +76,23 @@ class KVTiers:
         """Restore digests into block_ids from disk, then from the remote tier (by the request's deadline, if it
         has one); report is called once."""
         start = time.perf_counter()
-        with self._lock:
-            self._loading.add(request_id)
+        ended = self._ended[request_id] = threading.Event()
         on_disk = self.count_chain(digests)
         if self.disk is not None and on_disk:
 
             def restored(result: LoadResult) -> None:
-                self._continue(request_id, digests, block_ids, result.num_loaded, start, deadline)
+                self._continue(request_id, digests, block_ids, result.num_loaded, start, deadline, ended)
 
-            self.disk.load(request_id, digests[:on_disk], block_ids[:on_disk], restored, deadline)
+            self.disk.load(request_id, digests[:on_disk], block_ids[:on_disk], restored, deadline, ended)
         else:
-            self._continue(request_id, digests, block_ids, 0, start, deadline)
+            self._continue(request_id, digests, block_ids, 0, start, deadline, ended)
 
     def cancel(self, request_id: int) -> None:
         """The request ended while loading: its restore and fetch stop before their next block or round trip
         (a fetch not yet asked for, after the restore, is not asked for)."""
-        with self._lock:
-            if request_id in self._loading:
-                self._cancelled.add(request_id)
-        for tier in (self.disk, self.remote):
-            if tier is not None:
-                tier.cancel(request_id)
+        ended = self._ended.get(request_id)
+        if ended is not None:
+            ended.set()
 
     # -- the tiers' threads --------------------------------------------------------------------------------
     def _continue(
@@ -107,6 +103,7 @@ class KVTiers:
         num_restored: int,
         start: float,
         deadline: float | None,
+        ended: threading.Event,
     ) -> None:
         """num_restored blocks came from disk: fetch the rest remotely, if there is a remote tier, a rest, and the
         request has not ended."""
@@ -121,17 +118,14 @@ class KVTiers:
             total = num_restored + result.num_loaded
             self._reported(LoadResult(request_id, total, time.perf_counter() - start, num_remote=result.num_loaded))
 
-        if self.remote is not None and num_restored < len(digests):
-            with self._lock:  # asked for under the lock: a cancel from here on reaches the fetch
-                if request_id not in self._cancelled:
-                    self.remote.load(request_id, digests[num_restored:], block_ids[num_restored:], fetched, deadline)
-                    return
+        if self.remote is not None and num_restored < len(digests) and not ended.is_set():
+            # a cancel from here on is seen by the fetch before its first round trip
+            self.remote.load(request_id, digests[num_restored:], block_ids[num_restored:], fetched, deadline, ended)
+            return
         self._reported(LoadResult(request_id, num_restored, time.perf_counter() - start))
 
     def _reported(self, result: LoadResult) -> None:
-        with self._lock:
-            self._loading.discard(result.request_id)
-            self._cancelled.discard(result.request_id)
+        self._ended.pop(result.request_id, None)
         self.report(result)
 
 

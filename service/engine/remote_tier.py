@@ -11,8 +11,8 @@ stopping at the first block absent or refused. It runs on the fetcher thread, st
 scheduler set aside for the request, which waits in the loading state while every other request keeps stepping.
 Fetches run one at a time, each ending by its deadline: load_deadline seconds after it was asked for (not after
 the fetches before it), or the request's own deadline if sooner, checked between round trips; and as soon as its
-request is aborted or expires (cancel). A store that is down is not asked at all (count_chain is 0), and the
-publisher pings it again after a backoff.
+request is aborted or expires (`ended`, set by KVTiers.cancel). A store that is down is not asked at all
+(count_chain is 0), and the publisher pings it again after a backoff.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class _Fetch:
     block_ids: tuple[int, ...]
     report: Report
     deadline: float  # time.monotonic() by which the fetch ends
+    ended: threading.Event | None  # set when its request ends: the fetch stops before its next round trip
 
 
 @dataclass
@@ -73,8 +74,6 @@ class KVRemoteTier:
         self.counters = RemoteTierCounters()
         self._known: OrderedDict[bytes, None] = OrderedDict()  # least recently seen first
         self._fetches: deque[_Fetch] = deque()
-        self._fetching: set[int] = set()  # request ids with a fetch queued or running
-        self._cancelled: set[int] = set()  # of those, the ones whose request ended
         self._publishes: deque[BlockCopies] = deque()
         self._pending_bytes = 0
         self._lock = threading.Condition()
@@ -137,22 +136,16 @@ class KVRemoteTier:
         block_ids: Sequence[int],
         report: Report,
         deadline: float | None = None,
+        ended: threading.Event | None = None,
     ) -> None:
         """Fetch digests into block_ids, in order, stopping at the first block absent or refused, at the fetch's
-        deadline (load_deadline from now, or `deadline`, the request's, if sooner) or when cancelled; report is
-        called (on the fetcher thread) with how many were."""
+        deadline (load_deadline from now, or `deadline`, the request's, if sooner) or once `ended` is set; report
+        is called (on the fetcher thread) with how many were."""
         ends = time.monotonic() + self.load_deadline
         ends = ends if deadline is None else min(ends, deadline)
         with self._lock:
-            self._fetches.append(_Fetch(request_id, tuple(digests), tuple(block_ids), report, ends))
-            self._fetching.add(request_id)
+            self._fetches.append(_Fetch(request_id, tuple(digests), tuple(block_ids), report, ends, ended))
             self._lock.notify_all()
-
-    def cancel(self, request_id: int) -> None:
-        """The request ended (aborted, expired): its fetch, queued or running, ends before its next round trip."""
-        with self._lock:
-            if request_id in self._fetching:
-                self._cancelled.add(request_id)
 
     # -- fetcher thread ------------------------------------------------------------------------------------
     def _fetch_loop(self) -> None:
@@ -168,9 +161,6 @@ class KVRemoteTier:
             except Exception:  # a load must always be reported, or its blocks would never be freed
                 log.exception("kv remote tier: fetching a prefix failed; it will be computed")
                 result = LoadResult(job.request_id, 0, 0.0)
-            with self._lock:
-                self._fetching.discard(job.request_id)
-                self._cancelled.discard(job.request_id)
             job.report(result)
 
     def _fetch(self, job: _Fetch) -> LoadResult:
@@ -181,7 +171,7 @@ class KVRemoteTier:
             and self.store.up
             and not self._closing
             and time.monotonic() < job.deadline
-            and job.request_id not in self._cancelled
+            and not (job.ended is not None and job.ended.is_set())
         ):
             batch = job.digests[num_loaded : num_loaded + BATCH_BLOCKS]
             payloads = self.store.fetch(batch)
