@@ -37,7 +37,7 @@ CACHE_SIZE = 128  # compiled grammars kept, least recently used dropped first
 # later ones, on the engine's side, while every other request waited. With these its start costs ~0.1-0.2 s,
 # spent on the caller's thread (GrammarCompiler.matcher), and a step tens of milliseconds at most; JSON schemas
 # and ordinary expressions use a small fraction of them (a first mask of 0.1-1.5 ms for SmolLM2's vocabulary).
-INITIAL_LEXER_FUEL, STEP_LEXER_FUEL = 200_000, 20_000
+LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=200_000, step_lexer_fuel=20_000)
 # Replies are single-line JSON with Python's separators: a model free to add whitespace can pad a reply with
 # newlines until it runs out of tokens, and Qwen3 writes its tool calls this way.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -155,8 +155,7 @@ class GrammarCompiler:
         """A fresh matcher at the start of the format's grammar, its first mask computed here (on the caller's
         thread, not the engine's): a grammar too costly for the lexer's fuel is refused before the request is queued."""
         grammar = self.compile(fmt)
-        limits = llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, step_lexer_fuel=STEP_LEXER_FUEL)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise InvalidArgument(fmt.field, f"not a valid {fmt.kind.value}: {_first_line(matcher.get_error())}")
         fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size), 0)

@@ -281,8 +281,9 @@ def _text_format(raw: Any) -> dict[str, Any] | None:
         if key not in FORMAT_FIELDS:
             raise InvalidArgument(f"text.format.{key[:64]}", "unknown field")
     if fmt.get("type") != "json_schema":
-        for key in fmt.keys() - {"type"}:  # dropping them would answer something other than what was asked
-            raise InvalidArgument(f"text.format.{key}", 'only a format of type "json_schema" takes it')
+        extra = sorted(fmt.keys() - {"type"})  # dropping them would answer something other than what was asked
+        if extra:
+            raise InvalidArgument(f"text.format.{extra[0]}", 'only a format of type "json_schema" takes it')
         return {"type": fmt.get("type")}  # text, json_object; openai_in names anything else
     spec = {k: v for k, v in fmt.items() if k != "type"}
     return {"type": "json_schema", "json_schema": spec}

@@ -95,28 +95,28 @@ def _weight(text: str) -> float | None:
     return weight if MIN_WEIGHT <= weight <= MAX_WEIGHT and math.isfinite(weight) else None
 
 
-def read_regular_file(path: str, limit: int) -> bytes:
-    """Up to limit + 1 bytes of a regular file; KeysFileError for anything else (a FIFO or a device would block
-    the reading thread for good: opened without waiting, then refused), OSError when it cannot be read."""
+def read_text_file(path: str) -> str:
+    """A keys or token file's text: a regular file (a FIFO or a device would block the reading thread for good:
+    opened without waiting, then refused) of at most MAX_FILE_BYTES of UTF-8; KeysFileError naming the file (and
+    the line) otherwise, OSError when it cannot be read."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise KeysFileError(f"{path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        return f.read(limit + 1)
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise KeysFileError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise KeysFileError(f"{path} line {line}: not UTF-8 text") from None
 
 
 def read_keys(path: str, own_cache: bool = True) -> Keys:
     """The keys in a keys file; KeysFileError (OSError for a file that cannot be read) naming the file."""
-    data = read_regular_file(path, MAX_FILE_BYTES)
-    if len(data) > MAX_FILE_BYTES:
-        raise KeysFileError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise KeysFileError(f"{path} line {line}: not UTF-8 text") from None
-    return parse_keys(text, path, own_cache)
+    return parse_keys(read_text_file(path), path, own_cache)
 
 
 def bearer_token(given: bytes) -> bytes | None:
@@ -145,13 +145,7 @@ class Auth:
             auth._seen = signature
             return auth
         if token_file:
-            data = read_regular_file(token_file, MAX_FILE_BYTES)
-            if len(data) > MAX_FILE_BYTES:
-                raise KeysFileError(f"{token_file}: larger than {MAX_FILE_BYTES} bytes")
-            try:
-                token = data.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise KeysFileError(f"{token_file}: not UTF-8 text") from None
+            token = read_text_file(token_file).strip()
             if not token:
                 raise ValueError("the auth token file is empty")
             return cls(Keys(((hashlib.sha256(token.encode()).digest(), DEFAULT_TENANT),)))
